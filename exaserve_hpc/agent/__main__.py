@@ -1,0 +1,4 @@
+from .node_agent import main
+import sys
+
+sys.exit(main())

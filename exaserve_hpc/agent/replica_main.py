@@ -1,0 +1,276 @@
+"""One replica: its own process, started by the node agent.
+
+    python -m exaserve_hpc.agent.replica_main --spec HEX --status-fd N
+
+`--spec` is the controller's StartReplica message (MessagePack, hex). The
+process loads the engine, warms it up with a real inference, connects a
+DEALER socket (identity = replica id) to the router backend, says hello, and
+then runs the serve loop: receive requests -> engine.step() -> send token
+chunks. State changes go to the agent as lines on --status-fd:
+"<state> <seconds in previous state> <detail>".
+
+SIGTERM drains: no new requests, in-flight ones finish (bounded by the drain
+timeout), then the replica says bye and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import zmq
+
+from ..protocol import (
+    Abort, DecodeError, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
+    StartReplica, TokenChunk, decode, encode,
+)
+from .lifecycle import ReplicaState
+
+log = logging.getLogger("exaserve.replica")
+
+
+class StatusReporter:
+    """Writes lifecycle transitions to the agent's pipe (or nowhere)."""
+
+    def __init__(self, fd: Optional[int]):
+        self._file = os.fdopen(fd, "w", buffering=1) if fd is not None else None
+        self._since = time.monotonic()
+
+    def state(self, state: ReplicaState, detail: str = "") -> None:
+        now = time.monotonic()
+        line = f"{state.value} {now - self._since:.3f} {detail}".rstrip()
+        self._since = now
+        log.info("replica state %s", line)
+        if self._file is not None:
+            try:
+                self._file.write(line.replace("\n", " ") + "\n")
+            except OSError:  # the agent is gone; PDEATHSIG will end us
+                pass
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the agent dies, so no replica outlives its agent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def make_engine(spec: StartReplica):
+    settings = spec.settings
+    kwargs = dict(max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len)
+    if settings.engine == "echo":
+        from ..engine.echo import EchoEngine
+        return EchoEngine(**kwargs)
+    if settings.engine == "reference":
+        from ..engine.reference import ReferenceEngine
+        return ReferenceEngine(spec.model_dir, max_wait_ms=settings.max_wait_ms,
+                               prefill_batch_size=settings.prefill_batch_size,
+                               decode_batch_size=settings.decode_batch_size, **kwargs)
+    raise ValueError(f"engine {settings.engine!r} cannot run in a replica process yet; "
+                     "use engine: reference (or echo for benchmarks)")
+
+
+class ChunkCoalescer:
+    """Groups a request's tokens so a stream costs one message per N tokens or per flush interval.
+
+    The first chunk of each request goes out at once: time to first token is
+    what users feel.
+    """
+
+    def __init__(self, flush_ms: float, max_tokens: int):
+        self.flush_s = flush_ms / 1000
+        self.max_tokens = max_tokens
+        self._buffers: dict[str, tuple[list[int], float]] = {}
+        self._started: set[str] = set()
+
+    def add(self, output, now: float) -> Optional[TokenChunk]:
+        tokens, since = self._buffers.pop(output.request_id, ([], now))
+        tokens = tokens + list(output.new_token_ids)
+        first = output.request_id not in self._started
+        if output.finished or first or len(tokens) >= self.max_tokens or now - since >= self.flush_s:
+            self._started.add(output.request_id)
+            if output.finished:
+                self._started.discard(output.request_id)
+            return TokenChunk(request_id=output.request_id, token_ids=tokens, finished=output.finished,
+                              finish_reason=output.finish_reason, prompt_tokens=output.prompt_tokens,
+                              completion_tokens=output.completion_tokens)
+        self._buffers[output.request_id] = (tokens, since)
+        return None
+
+    def due(self, now: float) -> list[TokenChunk]:
+        chunks = []
+        for rid, (tokens, since) in list(self._buffers.items()):
+            if tokens and now - since >= self.flush_s:
+                del self._buffers[rid]
+                chunks.append(TokenChunk(request_id=rid, token_ids=tokens))
+        return chunks
+
+    def forget(self, request_id: str) -> None:
+        self._buffers.pop(request_id, None)
+        self._started.discard(request_id)
+
+
+class ReplicaServer:
+    def __init__(self, spec: StartReplica, engine, socket: zmq.Socket, reporter: StatusReporter,
+                 coalesce_ms: float = 20.0, coalesce_tokens: int = 16):
+        self.spec = spec
+        self.engine = engine
+        self.socket = socket
+        self.reporter = reporter
+        self.coalescer = ChunkCoalescer(coalesce_ms, coalesce_tokens)
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.latency_ewma_ms = 0.0
+        self._running_ids: set[str] = set()
+
+    def request_drain(self, timeout: float) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + timeout
+            self.reporter.state(ReplicaState.DRAINING, f"{len(self._running_ids)} in flight")
+
+    def run(self) -> None:
+        next_stats = 0.0
+        while True:
+            busy = self.engine.has_unfinished()
+            if self.socket.poll(0 if busy else 50):
+                self._receive()
+            now = time.monotonic()
+            if self.engine.has_unfinished():
+                started = time.perf_counter()
+                outputs = self.engine.step()
+                step_ms = (time.perf_counter() - started) * 1000
+                self.latency_ewma_ms = 0.9 * self.latency_ewma_ms + 0.1 * step_ms if self.latency_ewma_ms else step_ms
+                for output in outputs:
+                    chunk = self.coalescer.add(output, now)
+                    if output.finished:
+                        self._running_ids.discard(output.request_id)
+                    if chunk is not None:
+                        self._send(chunk)
+            for chunk in self.coalescer.due(now):
+                self._send(chunk)
+            if now >= next_stats:
+                self._send_stats()
+                next_stats = now + self.spec.stats_interval
+            if self.draining and (not self._running_ids or now > self.drain_deadline):
+                self._finish_drain()
+                return
+
+    def _receive(self) -> None:
+        for _ in range(256):
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frame)
+            except DecodeError as exc:
+                log.warning("dropping undecodable message: %s", exc)
+                continue
+            if isinstance(message, GenerateRequest):
+                self._admit(message)
+            elif isinstance(message, Abort):
+                self.engine.abort(message.request_id)
+                self._running_ids.discard(message.request_id)
+                self.coalescer.forget(message.request_id)
+            elif isinstance(message, Drain):
+                self.request_drain(message.timeout)
+
+    def _admit(self, request: GenerateRequest) -> None:
+        from ..engine.base import EngineRequest
+        if self.draining:
+            self._send(RequestError(request_id=request.request_id, status=503, code="draining",
+                                    message=f"replica {self.spec.replica_id} is draining", retry_after=0.1))
+            return
+        try:
+            self.engine.add_request(EngineRequest(
+                request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                seed=request.seed))
+        except ValueError as exc:
+            self._send(RequestError(request_id=request.request_id, status=400, code="invalid_request",
+                                    message=str(exc)))
+            return
+        self._running_ids.add(request.request_id)
+
+    def _send_stats(self) -> None:
+        stats = self.engine.stats()
+        self._send(ReplicaStats(
+            replica_id=self.spec.replica_id, queue_depth=int(stats.get("queue_depth", 0)),
+            running=int(stats.get("running", 0)), kv_used=float(stats.get("kv_used", 0.0)),
+            latency_ewma_ms=self.latency_ewma_ms, tokens_generated=int(stats.get("tokens_generated", 0)),
+            requests_finished=int(stats.get("requests_finished", 0))))
+
+    def _finish_drain(self) -> None:
+        for rid in list(self._running_ids):  # drain timed out: hand these back for retry elsewhere
+            self.engine.abort(rid)
+            self._send(RequestError(request_id=rid, status=503, code="drain_timeout",
+                                    message=f"replica {self.spec.replica_id} stopped before finishing"))
+        self._send(ReplicaBye(replica_id=self.spec.replica_id, reason="drained"))
+        self.reporter.state(ReplicaState.STOPPED)
+
+    def _send(self, message) -> None:
+        self.socket.send(encode(message))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="exaserve-replica", description="Run one model replica (started by the node agent).")
+    parser.add_argument("--spec", required=True, help="StartReplica message, MessagePack as hex")
+    parser.add_argument("--status-fd", type=int, default=None)
+    parser.add_argument("--node", default=os.uname().nodename)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s replica %(levelname)s %(message)s")
+    die_with_parent()
+    spec = decode(bytes.fromhex(args.spec))
+    if not isinstance(spec, StartReplica):
+        parser.error(f"--spec holds a {type(spec).__name__}, expected StartReplica")
+    reporter = StatusReporter(args.status_fd)
+    server: Optional[ReplicaServer] = None
+
+    def on_term(signum, frame):
+        if server is not None:
+            server.request_drain(spec.drain_timeout)
+        else:
+            sys.exit(0)  # still loading: nothing in flight to finish
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
+    try:
+        reporter.state(ReplicaState.LOADING, spec.model_dir)
+        engine = make_engine(spec)
+        reporter.state(ReplicaState.WARMING)
+        engine.warmup()
+        reporter.state(ReplicaState.REGISTERING, spec.router_backend)
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, spec.replica_id.encode())
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.connect(spec.router_backend)
+        socket.send(encode(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
+                                        max_batch_size=spec.settings.max_batch_size,
+                                        max_seq_len=spec.settings.max_seq_len, node=args.node)))
+        server = ReplicaServer(spec, engine, socket, reporter)
+        reporter.state(ReplicaState.SERVING)
+        server.run()
+        engine.shutdown()
+        socket.close()
+        context.term()
+        return 0
+    except Exception as exc:  # report the cause to the agent, then exit non-zero
+        log.exception("replica %s failed", spec.replica_id)
+        reporter.state(ReplicaState.FAILED, f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The `exaserve` command: a thin dispatcher; each command's work lives in its own module.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad input (config, arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .config import ConfigError, load_site, resolve_site
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _load(site_arg: Optional[str]):
+    return load_site(resolve_site(site_arg))
+
+
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .launch import ServeError, ServeOptions, serve
+
+    site = _load(args.site)
+    options = ServeOptions(host=args.host, port=args.port, run_dir=Path(args.run_dir) if args.run_dir else None)
+    try:
+        return serve(site, options)
+    except ServeError as exc:
+        err.print(f"[red]error[/]: {exc}", highlight=False)
+        return 1
+
+
+# ---------------------------------------------------------------- status
+
+
+def _status_url(args: argparse.Namespace) -> str:
+    if args.url:
+        return args.url.rstrip("/")
+    run_dir = Path(args.run_dir).expanduser() if args.run_dir else _load(args.site).run_path
+    state = run_dir / "serve.json"
+    try:
+        return json.loads(state.read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        raise SystemExit(f"no running exaserve found ({state} is missing); start one with `exaserve serve` "
+                         f"or pass --url http://HOST:PORT") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    url = _status_url(args)
+    try:
+        with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
+            status = json.load(response)
+    except (urllib.error.URLError, OSError) as exc:
+        err.print(f"[red]error[/]: cannot reach exaserve at {url}: {getattr(exc, 'reason', exc)}", highlight=False)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    render_status(status, url)
+    return 0
+
+
+def render_status(status: dict, url: str) -> None:
+    controller = status.get("controller", {})
+    router = status.get("router", {})
+    out.print(f"[bold]exaserve[/] site {status.get('site')} at {url}  controller {controller.get('endpoint')}  "
+              f"router in-flight {router.get('inflight', 0)} pending {router.get('pending', 0)} "
+              f"completed {router.get('completed', 0)} failed {router.get('failed', 0)} "
+              f"retries {router.get('retries', 0)}", highlight=False)
+    agents = Table(title="node agents")
+    for column in ("agent", "host", "pid", "state", "heartbeat age", "GPUs"):
+        agents.add_column(column)
+    for a in status.get("agents", []):
+        agents.add_row(a["agent_id"], a["hostname"], str(a["pid"]), a["state"], f"{a['heartbeat_age']:.1f}s",
+                       str(a["gpus"]))
+    out.print(agents)
+    replicas = Table(title="replicas")
+    for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts"):
+        replicas.add_column(column)
+    for r in status.get("replicas", []):
+        replicas.add_row(r["replica_id"], r["model"], r["state"], str(r["node"] or "-"), str(r["pid"] or "-"),
+                         str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]))
+    out.print(replicas)
+
+
+# ---------------------------------------------------------------- config
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    failed = 0
+    for name in args.files:
+        try:
+            site = load_site(resolve_site(name))
+        except ConfigError as exc:
+            err.print(str(exc), highlight=False, markup=False)
+            failed += 1
+            continue
+        replicas = sum(site.initial_replicas(m) for m in site.models)
+        out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
+                  f"{replicas} replica(s))", highlight=False)
+    return 2 if failed else 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    site = load_site(resolve_site(args.file))
+    data = site.model_dump(mode="json")
+    print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+# ---------------------------------------------------------------- model
+
+
+def cmd_model_create_tiny(args: argparse.Namespace) -> int:
+    from .cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
+
+    spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                         intermediate=args.intermediate, max_position=args.max_position, seed=args.seed,
+                         shards=args.shards)
+    path = create_tiny_checkpoint(Path(args.dir), spec)
+    out.print(f"created {path}", highlight=False)
+    return 0
+
+
+def cmd_model_verify(args: argparse.Namespace) -> int:
+    from .cache.checkpoint import CheckpointError, verify_checkpoint
+
+    try:
+        verify_checkpoint(Path(args.dir))
+    except CheckpointError as exc:
+        err.print(f"[red]verification failed[/]: {exc}", highlight=False)
+        return 1
+    out.print(f"{args.dir}: every file matches its manifest (size, sha256, md5)", highlight=False)
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="exaserve", description="Serve LLMs inside a Slurm allocation.")
+    parser.add_argument("--version", action="version", version=f"exaserve-hpc {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    site_help = "site name (looked up in site-configs/) or YAML path; default $EXASERVE_SITE or local"
+
+    serve = commands.add_parser("serve", help="run controller, router, gateway and replicas on this machine")
+    serve.add_argument("--site", help=site_help)
+    serve.add_argument("--host", help="gateway address (default: gateway.host)")
+    serve.add_argument("--port", type=int, help="gateway port (default: gateway.port; 0 picks a free one)")
+    serve.add_argument("--run-dir", help="where the running server records its URL (default: run_dir)")
+    serve.set_defaults(func=cmd_serve)
+
+    status = commands.add_parser("status", help="show the controller, node agents and replicas")
+    status.add_argument("--url", help="gateway URL (default: the running server recorded in run_dir)")
+    status.add_argument("--site", help=site_help)
+    status.add_argument("--run-dir")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(func=cmd_status)
+
+    config = commands.add_parser("config", help="check or show site configs")
+    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = config_commands.add_parser("check", help="validate site config files (exit 2 on any error)")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=cmd_config_check)
+    show = config_commands.add_parser("show", help="print the resolved config with every default")
+    show.add_argument("file", metavar="FILE")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_config_show)
+
+    try:
+        from .scheduler.plan_report import add_plan_arguments, cmd_plan
+    except ImportError:
+        pass
+    else:
+        plan = commands.add_parser("plan", help="place a site's replicas and print the plan")
+        add_plan_arguments(plan)
+        plan.set_defaults(func=cmd_plan)
+
+    model = commands.add_parser("model", help="create or verify model checkpoints")
+    model_commands = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    tiny = model_commands.add_parser("create-tiny", help="write a small random Llama-style checkpoint")
+    tiny.add_argument("dir")
+    for flag, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("kv-heads", 2), ("intermediate", 172),
+                          ("max-position", 2048), ("seed", 0), ("shards", 2)):
+        tiny.add_argument(f"--{flag}", type=int, default=default, help=f"default {default}")
+    tiny.set_defaults(func=cmd_model_create_tiny)
+    verify = model_commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    verify.add_argument("dir")
+    verify.set_defaults(func=cmd_model_verify)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ["EXASERVE_LOG_LEVEL"] = args.log_level  # children (agent, replicas) inherit it
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        err.print(str(exc), highlight=False, markup=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

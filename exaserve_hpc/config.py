@@ -1,0 +1,414 @@
+"""The typed configuration tree: one pydantic model per concern, loaded from a site YAML.
+
+Every setting the system has lives here with its default. `load_site()` reads
+a file, validates it, and on failure raises ConfigError listing *every*
+problem as (YAML path, what was found, what is allowed); the CLI prints them
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from .slurm.hostlist import expand_hostlist
+from .units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(description=DURATION_FORMS)]
+Size = Annotated[int, BeforeValidator(parse_size), Field(description=SIZE_FORMS)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+NAME_FORMS = "1-64 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SchedulerConfig(_Section):
+    max_replicas_per_node: int = Field(16, ge=1)
+    min_replicas_per_model: int = Field(4, ge=0)
+    rebalance_interval: Duration = 30.0
+    scale_up_threshold: float = Field(0.75, gt=0, le=1)
+    scale_down_threshold: float = Field(0.25, ge=0, lt=1)
+    cooldown_period: Duration = 120.0
+    tick_interval: Duration = 1.0
+    max_moves_per_round: int = Field(4, ge=0)
+
+    @model_validator(mode="after")
+    def _thresholds_ordered(self) -> "SchedulerConfig":
+        if self.scale_down_threshold >= self.scale_up_threshold:
+            raise ValueError(
+                f"scale_down_threshold ({self.scale_down_threshold}) must be below "
+                f"scale_up_threshold ({self.scale_up_threshold})"
+            )
+        return self
+
+
+class HeartbeatConfig(_Section):
+    interval: Duration = 5.0
+    misses: int = Field(3, ge=1)
+
+    @property
+    def expiry(self) -> float:
+        """Seconds of silence after which a peer is declared lost."""
+        return self.interval * self.misses
+
+
+class BatchingConfig(_Section):
+    max_batch_size: int = Field(32, ge=1)
+    max_wait_ms: float = Field(50.0, ge=0)
+    prefill_batch_size: int = Field(8, ge=1)
+    decode_batch_size: int = Field(64, ge=1)
+    chunked_prefill: bool = True
+    prefill_chunk_tokens: int = Field(512, ge=16)
+
+
+class TinyModelConfig(_Section):
+    """Architecture of a model the reference engine creates itself (no download)."""
+
+    layers: int = Field(2, ge=1)
+    hidden: int = Field(64, ge=8)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    intermediate: int = Field(172, ge=8)
+    max_position: int = Field(2048, ge=64)
+    seed: int = 0
+    shards: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _shapes_divide(self) -> "TinyModelConfig":
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        return self
+
+
+class ModelConfig(_Section):
+    model_name: Name
+    model_path: Optional[str] = None  # checkpoint directory; None: <l3_path>/<model_name>
+    engine: Literal["reference", "echo", "timing", "trtllm"] = "reference"  # echo: benchmarks only
+    tiny: Optional[TinyModelConfig] = None  # create the checkpoint on first use
+    replicas: Optional[int] = Field(None, ge=0)  # initial count; None: scheduler minimum
+    min_replicas: Optional[int] = Field(None, ge=0)  # None: scheduler.min_replicas_per_model
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    max_batch_size: Optional[int] = Field(None, ge=1)  # None: batching.max_batch_size
+    max_seq_len: int = Field(2048, ge=16)
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["fp16", "fp8"] = "fp16"
+    priority: int = Field(0, ge=0, le=100)  # configured importance; higher is kept longer
+    weight_bytes: Optional[Size] = None  # for placement of models without a local checkpoint
+    kv_bytes_per_token: Optional[Size] = None
+    demand_weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _tiny_fits(self) -> "ModelConfig":
+        if self.tiny is not None and self.max_seq_len > self.tiny.max_position:
+            raise ValueError(
+                f"max_seq_len ({self.max_seq_len}) exceeds tiny.max_position ({self.tiny.max_position})"
+            )
+        return self
+
+
+class WeightCacheConfig(_Section):
+    l2_capacity: Size = parse_size("8GiB")
+    l3_path: str = "~/.cache/exaserve/models"
+
+    @property
+    def l3_dir(self) -> Path:
+        return Path(os.path.expandvars(self.l3_path)).expanduser()
+
+
+class ClusterConfig(_Section):
+    name: Name = "local"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    nodes: int = Field(1, ge=1, le=4096)
+    nodelist: Optional[str] = None  # Slurm hostlist, e.g. "n[1-4]"; its size must equal nodes
+    gpus_per_node: int = Field(0, ge=0, le=64)  # 0: CPU nodes (reference engine on host memory)
+    gpu_kind: Optional[str] = None
+    gpu_memory: Size = 0  # per GPU
+    host_memory: Optional[Size] = None  # per node; None: read from the machine
+    nvlink_domain_size: Optional[int] = Field(None, ge=1)  # GPUs per NVLink domain; None: whole node
+    fault_groups: Optional[dict[Name, str]] = None  # group name -> hostlist
+    fault_group_size: Optional[int] = Field(None, ge=1)  # or: consecutive nodes per group
+    time_limit: Optional[Duration] = None
+    modules: list[str] = Field(default_factory=list)  # environment modules to load first
+
+    @model_validator(mode="after")
+    def _nodes_consistent(self) -> "ClusterConfig":
+        hosts = self.hostnames()
+        if len(hosts) != self.nodes:
+            raise ValueError(f"nodelist {self.nodelist!r} names {len(hosts)} nodes but nodes is {self.nodes}")
+        if self.gpus_per_node and not self.gpu_memory:
+            raise ValueError(f"gpus_per_node is {self.gpus_per_node} but gpu_memory is not set")
+        if self.nvlink_domain_size and self.gpus_per_node and self.gpus_per_node % self.nvlink_domain_size:
+            raise ValueError(
+                f"nvlink_domain_size ({self.nvlink_domain_size}) must divide gpus_per_node ({self.gpus_per_node})"
+            )
+        if self.fault_groups:
+            seen: dict[str, str] = {}
+            for group, expr in self.fault_groups.items():
+                for host in expand_hostlist(expr):
+                    if host not in hosts:
+                        raise ValueError(f"fault group {group!r} names {host!r}, which is not in the nodelist")
+                    if host in seen:
+                        raise ValueError(f"node {host!r} is in fault groups {seen[host]!r} and {group!r}")
+                    seen[host] = group
+        return self
+
+    def hostnames(self) -> list[str]:
+        """Node names: the nodelist expanded, or node0..node{N-1} when none is given."""
+        if self.nodelist:
+            return expand_hostlist(self.nodelist)
+        return [f"node{i}" for i in range(self.nodes)]
+
+    def fault_group_of(self) -> dict[str, str]:
+        """hostname -> fault group; one group per node when none are configured."""
+        hosts = self.hostnames()
+        if self.fault_groups:
+            mapping = {h: g for g, expr in self.fault_groups.items() for h in expand_hostlist(expr)}
+            return {h: mapping.get(h, f"ungrouped-{h}") for h in hosts}
+        size = self.fault_group_size or 1
+        return {h: f"fg{i // size}" for i, h in enumerate(hosts)}
+
+
+class RouterConfig(_Section):
+    host: str = "127.0.0.1"
+    frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
+    backend_port: int = Field(0, ge=0, le=65535)
+    policy: Literal["round_robin", "least_load", "prefix_affinity"] = "least_load"
+    block_size: int = Field(16, ge=1)
+    max_attempts: int = Field(3, ge=1)
+    request_timeout: Duration = 300.0
+    first_token_timeout: Duration = 60.0
+    coalesce_ms: float = Field(20.0, ge=0)
+    coalesce_tokens: int = Field(16, ge=1)
+    breaker_failures: int = Field(3, ge=1)
+    breaker_cooloff: Duration = 10.0
+    replica_heartbeat: Duration = 1.0
+    replica_misses: int = Field(3, ge=1)
+
+
+class GatewayConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_queued_requests: int = Field(1024, ge=1)  # beyond this: 429 with Retry-After
+    require_api_key: bool = False
+    default_max_tokens: int = Field(128, ge=1)
+
+
+class QuotaGroup(_Section):
+    name: Name
+    account: Optional[str] = None  # Slurm account of the research group
+    api_keys: list[str] = Field(default_factory=list)
+    max_concurrent_requests: Optional[int] = Field(None, ge=1)
+    tokens_per_minute: Optional[int] = Field(None, ge=1)
+    max_replicas: Optional[int] = Field(None, ge=0)
+
+
+class SiteConfig(_Section):
+    site: Name
+    description: str = ""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    weight_cache: WeightCacheConfig = Field(default_factory=WeightCacheConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+    quota_groups: list[QuotaGroup] = Field(default_factory=list)
+    run_dir: str = "~/.cache/exaserve/run"
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "SiteConfig":
+        _require_unique("models", [m.model_name for m in self.models])
+        _require_unique("quota_groups", [g.name for g in self.quota_groups])
+        _require_unique("api key in quota_groups", [k for g in self.quota_groups for k in g.api_keys])
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.model_name == name:
+                return model
+        raise KeyError(name)
+
+    def min_replicas(self, model: ModelConfig) -> int:
+        return self.scheduler.min_replicas_per_model if model.min_replicas is None else model.min_replicas
+
+    def initial_replicas(self, model: ModelConfig) -> int:
+        return self.min_replicas(model) if model.replicas is None else model.replicas
+
+    def model_dir(self, model: ModelConfig) -> Path:
+        if model.model_path:
+            return Path(os.path.expandvars(model.model_path)).expanduser()
+        return self.weight_cache.l3_dir / model.model_name
+
+    def max_batch_size(self, model: ModelConfig) -> int:
+        return model.max_batch_size or self.batching.max_batch_size
+
+    @property
+    def run_path(self) -> Path:
+        return Path(os.path.expandvars(self.run_dir)).expanduser()
+
+
+def _require_unique(what: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"duplicate {what}: {name!r}; each must be unique")
+        seen.add(name)
+
+
+# ---------------------------------------------------------------- loading
+
+
+class ConfigProblem(BaseModel):
+    path: str
+    found: str
+    allowed: str
+
+
+class ConfigError(Exception):
+    """A site config that cannot be used; carries every problem found."""
+
+    def __init__(self, source: str, problems: list[ConfigProblem]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s)"]
+        for p in problems:
+            lines.append(f"  {p.path}: found {p.found}; allowed: {p.allowed}")
+        super().__init__("\n".join(lines))
+
+
+def _yaml_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+    """The pydantic model class that holds the field at loc[-1] (for listing valid keys)."""
+    current: Any = SiteConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        current = _inner_model(field.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _inner_model(annotation: Any) -> Any:
+    for arg in getattr(annotation, "__args__", ()) or ():
+        inner = _inner_model(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return annotation
+
+
+def _allowed_for(error: dict) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        owner = _model_at(error["loc"])
+        keys = sorted(owner.model_fields) if owner else []
+        return "one of the keys " + ", ".join(keys) if keys else "no extra keys"
+    if kind == "literal_error":
+        return str(ctx.get("expected", error["msg"]))
+    if kind == "missing":
+        return "this key is required"
+    if kind == "string_pattern_mismatch":
+        return NAME_FORMS
+    if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
+        return error["msg"].replace("Input should be ", "a number ")
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    return error["msg"].replace("Input should be ", "")
+
+
+def _found(error: dict) -> str:
+    if error["type"] == "missing":
+        return "nothing"
+    value = error.get("input")
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def problems_from(exc: ValidationError) -> list[ConfigProblem]:
+    problems = []
+    for error in exc.errors():
+        loc = error["loc"]
+        problems.append(ConfigProblem(path=_yaml_path(loc), found=_found(error), allowed=_allowed_for(error)))
+    return problems
+
+
+def parse_site(data: Any, source: str = "<config>") -> SiteConfig:
+    """Validate an already-parsed YAML document."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [ConfigProblem(path="(top level)", found=repr(type(data).__name__),
+                                                 allowed="a mapping with keys such as site, cluster, models")])
+    try:
+        return SiteConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, problems_from(exc)) from exc
+
+
+def load_site(path: str | os.PathLike) -> SiteConfig:
+    """Read and validate a site config file; ConfigError lists every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [ConfigProblem(path="(file)", found=exc.strerror or str(exc),
+                                                    allowed="a readable YAML file")]) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise ConfigError(str(path), [ConfigProblem(path=where, found=str(getattr(exc, "problem", exc)),
+                                                    allowed="valid YAML")]) from exc
+    return parse_site(data, str(path))
+
+
+def site_search_path() -> list[Path]:
+    """Where `--site NAME` looks for NAME.yaml, first match wins."""
+    dirs = []
+    if os.environ.get("EXASERVE_SITE_DIR"):
+        dirs.append(Path(os.environ["EXASERVE_SITE_DIR"]))
+    dirs.append(Path(__file__).resolve().parent.parent / "site-configs")  # source checkout
+    dirs.append(Path(sys.prefix) / "share" / "exaserve" / "site-configs")  # installed data files
+    return dirs
+
+
+def resolve_site(site: str | None) -> Path:
+    """A path, or a site name looked up on site_search_path(); default $EXASERVE_SITE or "local"."""
+    site = site or os.environ.get("EXASERVE_SITE") or "local"
+    candidate = Path(site).expanduser()
+    if candidate.suffix in {".yaml", ".yml"} or candidate.exists():
+        return candidate
+    for directory in site_search_path():
+        for suffix in (".yaml", ".yml"):
+            path = directory / f"{site}{suffix}"
+            if path.exists():
+                return path
+    known = sorted({p.stem for d in site_search_path() if d.is_dir() for p in d.glob("*.y*ml")})
+    raise ConfigError(site, [ConfigProblem(path="--site", found=repr(site),
+                                           allowed="a YAML file path or one of: " + ", ".join(known))])

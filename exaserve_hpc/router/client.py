@@ -1,0 +1,104 @@
+"""The gateway's side of the router: a GatewayBackend over one ZeroMQ DEALER socket.
+
+One asyncio task reads every reply and hands it to the queue of the request
+it belongs to; `stream()` sends a GenerateRequest and yields that request's
+chunks. Closing the stream early (client gone, stop string matched) sends an
+Abort so the replica stops spending work on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from ..protocol import Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, decode, encode
+from .backend import BackendError, ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class RouterClient:
+    def __init__(self, endpoint: str, models: list[ModelInfo],
+                 status: Callable[[], dict] = dict, ready: Callable[[], bool] = lambda: True,
+                 reply_timeout: float = 600.0):
+        self.endpoint = endpoint
+        self._models = models
+        self._status = status
+        self._ready = ready
+        self.reply_timeout = reply_timeout
+        self._context: Optional[zmq.asyncio.Context] = None
+        self._socket: Optional[zmq.asyncio.Socket] = None
+        self._reader: Optional[asyncio.Task] = None
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    # ---------------------------------------------------------------- GatewayBackend
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._models)
+
+    def status(self) -> dict:
+        return self._status()
+
+    def ready(self) -> bool:
+        return self._ready()
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        self._ensure_started()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        finished = False
+        try:
+            await self._socket.send(encode(request))
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), self.reply_timeout)
+                except asyncio.TimeoutError:
+                    raise BackendError(504, "router_timeout",
+                                       f"no reply from the router for {self.reply_timeout:.0f}s", 1.0) from None
+                if isinstance(message, RequestError):
+                    finished = True
+                    raise BackendError(message.status, message.code, message.message, message.retry_after)
+                yield message
+                if message.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished and self._socket is not None and not self._socket.closed:
+                await self._socket.send(encode(Abort(request_id=request.request_id)))
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _ensure_started(self) -> None:
+        if self._socket is not None:
+            return
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.endpoint)
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            try:
+                message = decode(frame)
+            except DecodeError as exc:
+                log.warning("undecodable reply from the router: %s", exc)
+                continue
+            queue = self._queues.get(getattr(message, "request_id", ""))
+            if queue is not None:
+                queue.put_nowait(message)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._context.term()
+        self._socket = None
+

@@ -1,0 +1,176 @@
+"""The ZeroMQ edge of the router: two ROUTER sockets and one thread.
+
+frontend (bind): gateways and native clients connect DEALER sockets.
+backend  (bind): replicas connect DEALER sockets whose identity is their replica id.
+
+The thread polls both sockets with a short timeout, hands every decoded
+message to the transport-free `Dispatcher`, sends what it returns, and runs
+`Dispatcher.tick` for expiries (Paranoid Pirate style). Other threads talk to
+it only through `call()`, which queues a function to run on the router thread,
+so the dispatcher is never touched by two threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional, TypeVar
+
+import zmq
+
+from ..protocol import Abort, DecodeError, GenerateRequest, decode, encode
+from .dispatch import GATEWAY, Dispatcher, Outgoing
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+POLL_MS = 50
+
+
+def bind(socket: zmq.Socket, host: str, port: int) -> str:
+    """Bind to host:port (0: any free port) and return the endpoint peers connect to."""
+    if port:
+        socket.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+    chosen = socket.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{chosen}"
+
+
+class ZmqRouter:
+    def __init__(self, dispatcher: Dispatcher, host: str = "127.0.0.1", frontend_port: int = 0,
+                 backend_port: int = 0, context: Optional[zmq.Context] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.context = context or zmq.Context.instance()
+        self.frontend = self.context.socket(zmq.ROUTER)
+        self.backend = self.context.socket(zmq.ROUTER)
+        for sock in (self.frontend, self.backend):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises instead of vanishing
+        self.frontend_endpoint = bind(self.frontend, host, frontend_port)
+        self.backend_endpoint = bind(self.backend, host, backend_port)
+        self._calls: "queue.Queue[tuple[Callable[[], object], Future]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exaserve-router", daemon=True)
+        self._snapshot: dict = dispatcher.snapshot()
+        self._snapshot_lock = threading.Lock()
+        self.messages_routed = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> "ZmqRouter":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for sock in (self.frontend, self.backend):
+            sock.close(linger=0)
+
+    # ---------------------------------------------------------------- other threads
+
+    def call(self, fn: Callable[[Dispatcher], T]) -> "Future[T]":
+        """Run fn(dispatcher) on the router thread; its returned Outgoing list (if any) is sent."""
+        future: Future = Future()
+        self._calls.put((lambda: fn(self.dispatcher), future))
+        return future
+
+    def replica_lost(self, replica_id: str, cause: str) -> None:
+        self.call(lambda d: d.replica_lost(replica_id, cause, self.clock()))
+
+    def drain(self, replica_id: str) -> None:
+        self.call(lambda d: d.drain(replica_id))
+
+    def snapshot(self) -> dict:
+        with self._snapshot_lock:
+            return dict(self._snapshot)
+
+    # ---------------------------------------------------------------- router thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        next_tick = 0.0
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(POLL_MS))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if self.frontend in events:
+                self._drain_socket(self.frontend, self._on_frontend)
+            if self.backend in events:
+                self._drain_socket(self.backend, self._on_backend)
+            self._run_calls()
+            now = self.clock()
+            if now >= next_tick:
+                self._send(self.dispatcher.tick(now))
+                with self._snapshot_lock:
+                    self._snapshot = self.dispatcher.snapshot()
+                next_tick = now + POLL_MS / 1000
+
+    def _drain_socket(self, sock: zmq.Socket, handler: Callable[[bytes, bytes], list[Outgoing]]) -> None:
+        for _ in range(1000):  # bounded, so one busy side cannot starve the other
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)", len(frames))
+                continue
+            try:
+                self._send(handler(frames[0], frames[1]))
+            except DecodeError as exc:
+                log.warning("dropping an undecodable message from %r: %s", frames[0][:32], exc)
+            except Exception:  # a bug in one message must not stop the router serving the others
+                log.exception("router failed on a message from %r", frames[0][:32])
+            self.messages_routed += 1
+
+    def _on_frontend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
+        message = decode(payload)
+        if isinstance(message, GenerateRequest):
+            return self.dispatcher.on_request(peer, message, self.clock())
+        if isinstance(message, Abort):
+            return self.dispatcher.on_abort(message.request_id)
+        log.warning("unexpected %s on the router frontend", type(message).__name__)
+        return []
+
+    def _on_backend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
+        return self.dispatcher.on_replica_message(peer.decode(errors="replace"), decode(payload), self.clock())
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn()
+                if isinstance(result, list) and all(isinstance(o, Outgoing) for o in result):
+                    self._send(result)
+                future.set_result(result)
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for out in outgoing:
+            sock = self.frontend if out.side == GATEWAY else self.backend
+            try:
+                sock.send_multipart([out.peer, encode(out.message)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if out.side != GATEWAY and exc.errno == zmq.EHOSTUNREACH:
+                    # The replica's socket is gone: move its requests now rather than at expiry.
+                    replica_id = out.peer.decode(errors="replace")
+                    self._send(self.dispatcher.replica_lost(replica_id, "unreachable", self.clock()))
+                    continue
+                # A gateway that went away is not an error of ours; a full queue (EAGAIN) is
+                # caught by the deadline and first-token timeouts.
+                log.warning("cannot send %s to %s %r: %s", type(out.message).__name__, out.side, out.peer[:32], exc)

@@ -1,0 +1,300 @@
+"""The controller (rank 0): node agents in, replica commands out.
+
+One thread owns a ROUTER socket that every node agent's DEALER connects to.
+It records agent hellos, heartbeats and replica events; asks agents to start
+the replicas the placement gives their node; restarts a failed replica (a
+bounded number of times, with backoff); declares a node lost after
+`heartbeat.misses` silent intervals and takes its replicas out of routing;
+and answers `status()` for the gateway and `exaserve status`.
+
+Decisions about *where* replicas go come from `assign_replicas`, a pure
+function; the thread only carries them out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import zmq
+
+from ..agent.lifecycle import ReplicaState
+from ..config import SiteConfig
+from ..protocol import (
+    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, ReplicaEvent, Shutdown, StartReplica, decode, encode,
+)
+from ..router.zmq_router import ZmqRouter, bind
+
+log = logging.getLogger("exaserve.controller")
+
+MAX_RESTARTS = 5
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    hostname: str
+    pid: int
+    last_seen: float
+    gpus: int = 0
+    host_memory_total: int = 0
+    host_memory_used: int = 0
+    lost: bool = False
+
+
+@dataclass
+class ReplicaRecord:
+    replica_id: str
+    model: str
+    agent_id: Optional[str] = None
+    state: ReplicaState = ReplicaState.PENDING
+    pid: int = 0
+    detail: str = ""
+    restarts: int = 0
+    restart_at: float = 0.0  # monotonic time of the next start attempt
+    transitions: list[tuple[str, float]] = field(default_factory=list)
+
+
+def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
+    """(replica_id, model) for every replica the site asks for, ids stable across restarts."""
+    return [(f"{m.model_name}/r{i:04d}", m.model_name) for m in site.models for i in range(site.initial_replicas(m))]
+
+
+def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current: dict[str, Optional[str]],
+                    max_per_node: int) -> dict[str, Optional[str]]:
+    """Give every replica without a live agent the live agent with the fewest replicas.
+
+    Pure: `current` maps replica id -> agent id (None: unassigned or its agent was lost).
+    Replicas that fit nowhere stay None. Ties go to the agent listed first.
+    """
+    result = {rid: (agent if agent in agents else None) for rid, agent in current.items()}
+    for rid, _ in replicas:
+        result.setdefault(rid, None)
+    counts = {a: 0 for a in agents}
+    for agent in result.values():
+        if agent is not None:
+            counts[agent] += 1
+    for rid, _ in replicas:
+        if result[rid] is not None or not agents:
+            continue
+        agent = min(agents, key=lambda a: (counts[a], agents.index(a)))
+        if counts[agent] >= max_per_node:
+            continue
+        result[rid] = agent
+        counts[agent] += 1
+    return result
+
+
+class Controller:
+    def __init__(self, site: SiteConfig, router: ZmqRouter, host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None):
+        self.site = site
+        self.router = router
+        self.clock = clock
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind(self.socket, host, port)
+        self.agents: dict[str, AgentRecord] = {}
+        self.replicas: dict[str, ReplicaRecord] = {
+            rid: ReplicaRecord(rid, model) for rid, model in desired_replicas(site)}
+        self.started_at = time.time()
+        self._commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._lock = threading.Lock()  # guards agents/replicas for status() readers
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exaserve-controller", daemon=True)
+        self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> "Controller":
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain_timeout: float = 10.0, wait: float = 20.0) -> None:
+        """Tell every agent to drain and stop its replicas; wait until they all report stopped."""
+        self._commands.put(lambda: self._broadcast(Shutdown(drain_timeout=drain_timeout)))
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with self._lock:
+                live = [r for r in self.replicas.values()
+                        if r.agent_id and not r.state.terminal and r.state is not ReplicaState.PENDING]
+            if not live:
+                break
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.socket.close(linger=0)
+
+    # ---------------------------------------------------------------- status
+
+    def serving_count(self) -> int:
+        with self._lock:
+            return sum(r.state is ReplicaState.SERVING for r in self.replicas.values())
+
+    def status(self) -> dict:
+        routed = {r["replica_id"]: r for r in self.router.snapshot().get("replicas", [])}
+        with self._lock:
+            return {
+                "site": self.site.site,
+                "controller": {"endpoint": self.endpoint, "started_at": self.started_at,
+                               "router_frontend": self.router.frontend_endpoint,
+                               "router_backend": self.router.backend_endpoint},
+                "agents": [
+                    {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
+                     "state": "lost" if a.lost else "alive",
+                     "heartbeat_age": round(self.clock() - a.last_seen, 3),
+                     "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total}
+                    for a in self.agents.values()
+                ],
+                "replicas": [
+                    {"replica_id": r.replica_id, "model": r.model, "state": r.state.value, "node": r.agent_id,
+                     "pid": r.pid, "endpoint": self.router.backend_endpoint if r.replica_id in routed else None,
+                     "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
+                     "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
+                     "restarts": r.restarts, "detail": r.detail}
+                    for r in self.replicas.values()
+                ],
+                "router": {k: v for k, v in self.router.snapshot().items() if k != "replicas"},
+            }
+
+    # ---------------------------------------------------------------- controller thread
+
+    def _run(self) -> None:
+        tick = self.site.scheduler.tick_interval
+        next_tick = 0.0
+        while not self._stop.is_set():
+            if self.socket.poll(min(100, int(tick * 1000))):
+                self._receive()
+            while not self._commands.empty():
+                self._commands.get_nowait()()
+            now = self.clock()
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + tick
+
+    def _receive(self) -> None:
+        for _ in range(1000):
+            try:
+                peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not two frames
+            try:
+                message = decode(frame)
+            except DecodeError as exc:
+                log.warning("undecodable message from agent %r: %s", peer[:32], exc)
+                continue
+            with self._lock:
+                self._on_message(peer.decode(errors="replace"), message)
+
+    def _on_message(self, agent_id: str, message) -> None:
+        now = self.clock()
+        if isinstance(message, AgentHello):
+            log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
+                     len(message.gpus))
+            self.agents[agent_id] = AgentRecord(agent_id, message.hostname, message.pid, now, len(message.gpus),
+                                                message.host_memory_total)
+            self._place(now)
+            return
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            return  # a heartbeat from before our restart: the agent's hello will follow
+        agent.last_seen = now
+        if agent.lost:
+            log.warning("agent %s is back after being declared lost", agent_id)
+            agent.lost = False
+        if isinstance(message, AgentHeartbeat):
+            agent.host_memory_used = message.host_memory_used
+            for status in message.replicas:
+                record = self.replicas.get(status.replica_id)
+                if record is not None and record.agent_id == agent_id:
+                    record.pid = status.pid
+        elif isinstance(message, ReplicaEvent):
+            self._on_replica_event(agent_id, message, now)
+
+    def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
+        record = self.replicas.get(event.replica_id)
+        if record is None or record.agent_id != agent_id:
+            return
+        state = ReplicaState(event.state)
+        record.state = state
+        record.detail = event.detail
+        record.transitions.append((state.value, event.seconds_in_previous_state))
+        log.info("replica %s %s (%.2fs in previous state) %s", record.replica_id, state.value,
+                 event.seconds_in_previous_state, event.detail)
+        if state is ReplicaState.FAILED:
+            self.router.replica_lost(record.replica_id, f"process failed: {event.detail}")
+            if record.restarts < MAX_RESTARTS:
+                record.restarts += 1
+                record.restart_at = now + min(30.0, 0.5 * 2 ** record.restarts)
+                log.warning("replica %s failed (%s); restart %d/%d", record.replica_id, event.detail,
+                            record.restarts, MAX_RESTARTS)
+            else:
+                log.error("replica %s failed %d times; giving up on it: %s", record.replica_id,
+                          record.restarts + 1, event.detail)
+        if self.on_replica_state is not None:
+            self.on_replica_state(record)
+
+    def _tick(self, now: float) -> None:
+        with self._lock:
+            expiry = self.site.heartbeat.expiry
+            for agent in self.agents.values():
+                if not agent.lost and now - agent.last_seen > expiry:
+                    agent.lost = True
+                    log.error("node %s lost: no heartbeat for %.1fs (%d x %.1fs)", agent.agent_id,
+                              now - agent.last_seen, self.site.heartbeat.misses, self.site.heartbeat.interval)
+                    for record in self.replicas.values():
+                        if record.agent_id == agent.agent_id:
+                            self.router.replica_lost(record.replica_id, f"node {agent.agent_id} lost")
+                            record.agent_id = None
+                            record.state = ReplicaState.PENDING
+            for record in self.replicas.values():
+                if record.state is ReplicaState.FAILED and record.restarts <= MAX_RESTARTS \
+                        and record.restart_at and now >= record.restart_at and record.agent_id:
+                    record.restart_at = 0.0
+                    self._start(record)
+            self._place(now)
+
+    def _place(self, now: float) -> None:
+        live = [a.agent_id for a in self.agents.values() if not a.lost]
+        current = {rid: r.agent_id for rid, r in self.replicas.items()}
+        wanted = assign_replicas([(rid, r.model) for rid, r in self.replicas.items()], live, current,
+                                 self.site.scheduler.max_replicas_per_node)
+        for rid, agent_id in wanted.items():
+            record = self.replicas[rid]
+            if agent_id is not None and record.agent_id is None:
+                record.agent_id = agent_id
+                self._start(record)
+
+    def _start(self, record: ReplicaRecord) -> None:
+        model = self.site.model(record.model)
+        settings = EngineSettings(
+            engine=model.engine, max_batch_size=self.site.max_batch_size(model), max_seq_len=model.max_seq_len,
+            max_wait_ms=self.site.batching.max_wait_ms, prefill_batch_size=self.site.batching.prefill_batch_size,
+            decode_batch_size=self.site.batching.decode_batch_size)
+        spec = StartReplica(replica_id=record.replica_id, model=record.model,
+                            model_dir=str(self.site.model_dir(model)), router_backend=self.router.backend_endpoint,
+                            settings=settings, stats_interval=self.site.router.replica_heartbeat)
+        record.state = ReplicaState.PENDING
+        record.detail = f"starting on {record.agent_id}"
+        self._send(record.agent_id, spec)
+
+    def _broadcast(self, message) -> None:
+        for agent in self.agents.values():
+            if not agent.lost:
+                self._send(agent.agent_id, message)
+
+    def _send(self, agent_id: str, message) -> None:
+        try:
+            self.socket.send_multipart([agent_id.encode(), encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach agent %s: %s", agent_id, exc)
