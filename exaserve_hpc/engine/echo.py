@@ -7,17 +7,20 @@ reference engine (see engine/base.py).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
-from .base import EngineRequest, StepOutput
+from .base import EngineError, EngineRequest, StepOutput
 from .tokenizer import BOS, EOS
 
 
 class EchoEngine:
-    def __init__(self, *, max_batch_size: int = 32, max_seq_len: int = 2048, tokens_per_step: int = 16, **_: object):
+    def __init__(self, *, max_batch_size: int = 32, max_seq_len: int = 2048, tokens_per_step: int = 16,
+                 step_delay: float = 0.0):
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step = int(tokens_per_step)
+        self.step_delay = step_delay  # seconds per step: lets tests hold a stream open
         self._running: "OrderedDict[str, tuple[EngineRequest, list[int], int]]" = OrderedDict()
         self._finished = 0
         self._generated = 0
@@ -37,6 +40,8 @@ class EchoEngine:
         return bool(self._running)
 
     def step(self) -> list[StepOutput]:
+        if self.step_delay:
+            time.sleep(self.step_delay)
         outputs = []
         for rid in list(self._running)[: self.max_batch_size]:
             request, answer, done = self._running[rid]
@@ -62,9 +67,14 @@ class EchoEngine:
 
     def warmup(self) -> None:
         self.add_request(EngineRequest(request_id="warmup", prompt_token_ids=[BOS, 104, 105], max_tokens=2))
-        out = self.step()
-        if not out or out[0].new_token_ids != [104, 105]:
-            raise RuntimeError(f"echo engine warm-up returned {out!r}, expected tokens [104, 105]")
+        tokens: list[int] = []
+        for _ in range(4):
+            for output in self.step():
+                tokens += output.new_token_ids
+            if not self.has_unfinished():
+                break
+        if tokens != [104, 105]:
+            raise EngineError(f"echo engine warm-up returned tokens {tokens}, expected [104, 105]")
 
     def shutdown(self) -> None:
         self._running.clear()

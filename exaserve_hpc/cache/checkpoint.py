@@ -1,0 +1,490 @@
+"""Model repository: checkpoints with checksum manifests.
+
+A checkpoint is a directory::
+
+    config.json                         architecture, "format": "exaserve-llama-v1"
+    model-00001-of-0000N.safetensors    weights (float32 or float16), N >= 1
+    manifest.json                       size, sha256, md5 of every other file
+
+Weight names and shapes (PyTorch [out, in] layout, so Hugging Face Llama
+weights convert by renaming only) are given by ``weight_shapes(config)``.
+``lm_head`` is absent when ``tie_embeddings`` is true; ``lm_head_bias`` is
+optional (real Llama checkpoints have none; the tiny random ones use it to
+make EOS rare).
+
+Call protocol:
+- ``create_tiny_checkpoint(dir, spec)`` writes a deterministic random model
+  atomically (same spec -> byte-identical files).
+- ``ensure_tiny_checkpoint(dir, spec)`` creates it if absent, else checks it
+  is the same model and intact.
+- ``verify_checkpoint(dir)`` hashes every file listed in the manifest.
+- ``load_checkpoint(dir)`` -> (config, weights), hashing the bytes as it
+  reads them, so a verified load reads each file once.
+All failures raise ``CheckpointError`` (``ChecksumError`` for a bad hash)
+with the file, the numbers and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+FORMAT = "exaserve-llama-v1"
+MANIFEST_FORMAT = "exaserve-manifest-v1"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+DTYPES = ("float32", "float16")
+_CHUNK = 8 << 20
+_ARCH_INT_FIELDS = ("layers", "hidden", "heads", "kv_heads", "intermediate",
+                    "vocab_size", "max_position")
+# Byte-tokenizer ids (kept literal so the cache package needs no engine import).
+_BOS, _EOS, _PAD, _BYTE_VOCAB = 256, 257, 258, 259
+
+Progress = Callable[[int, int], None]
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete, malformed or not the one expected."""
+
+
+class ChecksumError(CheckpointError):
+    """A file's bytes do not match the sha256/md5 recorded in the manifest."""
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """A small random Llama-style model for tests, laptops and CI."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 172
+    vocab_size: int = 259
+    max_position: int = 2048
+    rope_theta: float = 10000.0
+    seed: int = 0
+    shards: int = 2
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in (*_ARCH_INT_FIELDS, "shards"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TinyModelSpec.{name} must be a positive integer, got {value!r}")
+        if self.vocab_size < _BYTE_VOCAB:
+            raise ValueError(
+                f"TinyModelSpec.vocab_size is {self.vocab_size}; the byte tokenizer "
+                f"needs at least {_BYTE_VOCAB}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TinyModelSpec.dtype is {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"TinyModelSpec.rope_theta must be > 0, got {self.rope_theta}")
+        try:
+            validate_config(spec_config(self))
+        except CheckpointError as e:  # a bad spec is bad input, like the checks above
+            raise ValueError(f"TinyModelSpec: {e}") from e
+
+
+def spec_config(spec: TinyModelSpec) -> dict:
+    """The config.json content of the checkpoint ``spec`` describes."""
+    fields = asdict(spec)
+    return {
+        "format": FORMAT,
+        **{name: fields[name] for name in _ARCH_INT_FIELDS},
+        "rope_theta": float(spec.rope_theta),
+        "norm_eps": 1e-5,
+        "dtype": spec.dtype,
+        "tie_embeddings": False,
+        "init": {"kind": "tiny-random", "seed": spec.seed, "shards": spec.shards},
+    }
+
+
+def validate_config(config: dict) -> dict:
+    """Check an architecture config; returns it, raises CheckpointError."""
+    if config.get("format") != FORMAT:
+        raise CheckpointError(
+            f"config format is {config.get('format')!r}, expected {FORMAT!r}; "
+            "convert the model or re-create it with `exaserve model create-tiny DIR`"
+        )
+    missing = [k for k in (*_ARCH_INT_FIELDS, "rope_theta", "norm_eps") if k not in config]
+    if missing:
+        raise CheckpointError(f"config is missing field(s): {', '.join(missing)}")
+    for name in _ARCH_INT_FIELDS:
+        if not isinstance(config[name], int) or config[name] < 1:
+            raise CheckpointError(f"config.{name} must be a positive integer, got {config[name]!r}")
+    hidden, heads, kv_heads = config["hidden"], config["heads"], config["kv_heads"]
+    if hidden % heads:
+        raise CheckpointError(f"config.hidden={hidden} is not divisible by heads={heads}")
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"config.heads={heads} is not a multiple of kv_heads={kv_heads} "
+            "(grouped-query attention shares each kv head among heads/kv_heads query heads)"
+        )
+    if (hidden // heads) % 2:
+        raise CheckpointError(
+            f"head dim hidden/heads = {hidden // heads} is odd; RoPE rotates pairs, make it even"
+        )
+    return config
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Required weight names -> shapes, in the canonical (init and shard) order."""
+    h, v, i = config["hidden"], config["vocab_size"], config["intermediate"]
+    hd = h // config["heads"]
+    q, kv = config["heads"] * hd, config["kv_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, h)}
+    for n in range(config["layers"]):
+        p = f"layers.{n}."
+        shapes |= {p + "attn_norm": (h,), p + "attn.wq": (q, h), p + "attn.wk": (kv, h),
+                   p + "attn.wv": (kv, h), p + "attn.wo": (h, q), p + "mlp_norm": (h,),
+                   p + "mlp.w1": (i, h), p + "mlp.w3": (i, h), p + "mlp.w2": (h, i)}
+    shapes["norm"] = (h,)
+    if not config.get("tie_embeddings", False):
+        shapes["lm_head"] = (v, h)
+    return shapes
+
+
+def check_weights(config: dict, weights: dict[str, np.ndarray]) -> None:
+    """Raise CheckpointError unless ``weights`` has exactly the config's tensors."""
+    shapes = weight_shapes(config)
+    optional = {"lm_head_bias": (config["vocab_size"],)}
+    missing = sorted(set(shapes) - set(weights))
+    unexpected = sorted(set(weights) - set(shapes) - set(optional))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights do not match the config: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}; "
+            "the shards are from a different model than config.json"
+        )
+    for name, array in weights.items():
+        want = shapes.get(name) or optional[name]
+        if tuple(array.shape) != want:
+            raise CheckpointError(
+                f"weight {name} has shape {tuple(array.shape)}, config says {want}"
+            )
+
+
+# ---------------------------------------------------------------- creation
+
+def _init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic random init, scaled so logits have std ~1 (not flat)."""
+    rng = np.random.default_rng(seed)
+    depth_scale = 1.0 / np.sqrt(2.0 * config["layers"])  # residual adds stay O(1)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if name.endswith("norm"):
+            w = np.ones(shape, np.float32)
+        elif name == "embed":
+            w = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
+            if name.endswith(("attn.wo", "mlp.w2")):
+                w *= np.float32(depth_scale)
+        weights[name] = w
+    # A real output bias: printable ASCII preferred (readable demo text), EOS
+    # rare but possible, BOS/PAD never (they are input-only tokens).
+    bias = np.zeros(config["vocab_size"], np.float32)
+    bias[32:127] = 2.0
+    bias[10] = 2.0
+    bias[_EOS] = -4.0
+    bias[[_BOS, _PAD]] = -30.0
+    weights["lm_head_bias"] = bias
+    dtype = np.dtype(config["dtype"])
+    return {k: v.astype(dtype) for k, v in weights.items()}
+
+
+def _shard_names(names: list[str], sizes: list[int], shards: int) -> list[list[str]]:
+    """Split names (in order) into ``shards`` contiguous, non-empty, balanced runs."""
+    if shards > len(names):
+        raise ValueError(f"cannot split {len(names)} tensors into {shards} shards; use fewer shards")
+    total, before, index = sum(sizes), 0, 0
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    for pos, (name, size) in enumerate(zip(names, sizes)):
+        want = int((before + size / 2) * shards // total)
+        # Monotone, at most one step at a time, and leave a tensor for every later shard.
+        index = min(max(want, index), index + 1 if pos else 0, shards - 1)
+        index = max(index, shards - (len(names) - pos))
+        groups[index].append(name)
+        before += size
+    return groups
+
+
+def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(),
+                           progress: Progress | None = None) -> Path:
+    """Write the random checkpoint ``spec`` describes at ``directory``; returns it.
+
+    Files are written into a temporary sibling directory that is renamed into
+    place only when complete, so a crash leaves no half checkpoint under the
+    final name. ``directory`` must not exist or be empty. ``progress(done,
+    total)`` is called with bytes written.
+    """
+    target = Path(directory)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(
+            f"{target} already exists and is not empty; remove it or use "
+            "ensure_tiny_checkpoint to reuse it"
+        )
+    config = spec_config(spec)
+    weights = _init_weights(config, spec.seed)
+    names = list(weights)
+    groups = _shard_names(names, [weights[n].nbytes for n in names], spec.shards)
+    blobs = {CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+    for k, group in enumerate(groups, start=1):
+        shard = f"model-{k:05d}-of-{spec.shards:05d}.safetensors"
+        blobs[shard] = safetensors.numpy.save({n: weights[n] for n in group},
+                                              metadata={"format": "np"})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        total, done = sum(map(len, blobs.values())), 0
+        for name, data in blobs.items():
+            _write_synced(tmp / name, data)
+            done += len(data)
+            if progress:
+                progress(done, total)
+        write_manifest(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a model store is shared
+        try:
+            os.rename(tmp, target)  # atomic; replaces an empty directory only
+        except OSError as e:
+            raise CheckpointError(f"{target} appeared while creating it ({e}); "
+                                  "another process may have created it") from e
+        _fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(),
+                           progress: Progress | None = None) -> Path:
+    """Create the checkpoint if absent; otherwise check it is ``spec``'s and intact."""
+    target = Path(directory)
+    if not (target / MANIFEST_FILE).exists():
+        if target.is_dir() and any(target.iterdir()):
+            raise CheckpointError(
+                f"{target} is not empty but has no {MANIFEST_FILE}: an interrupted copy or "
+                "not a checkpoint. Remove it (or point the site config elsewhere) and retry"
+            )
+        try:
+            return create_tiny_checkpoint(target, spec, progress)
+        except CheckpointError:
+            if not (target / MANIFEST_FILE).exists():  # not a lost creation race
+                raise
+    # Verify first, so a corrupt config.json reads as corruption, not as another model.
+    verify_checkpoint(target, progress)
+    try:
+        config = json.loads(_read_bytes(target, CONFIG_FILE, None))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{target / CONFIG_FILE} is not valid JSON ({e})") from e
+    want = spec_config(spec)
+    diff = sorted(k for k in set(want) | set(config) if want.get(k) != config.get(k))
+    if diff:
+        details = ", ".join(f"{k}: found {config.get(k)!r}, wanted {want.get(k)!r}" for k in diff)
+        raise CheckpointError(
+            f"{target} holds a different model ({details}); point the site config "
+            "at another directory or remove this one"
+        )
+    return target
+
+
+# ---------------------------------------------------------------- manifest
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digests(path: Path) -> dict:
+    sha, md5, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            md5.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest(), "md5": md5.hexdigest()}
+
+
+def write_manifest(directory: str | os.PathLike) -> Path:
+    """Record size, sha256 and md5 of every file under ``directory`` (but itself)."""
+    root = Path(directory)
+    files = {
+        p.relative_to(root).as_posix(): _digests(p)
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE
+    }
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    path = root / MANIFEST_FILE
+    _write_synced(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def _read_manifest(root: Path) -> dict[str, dict]:
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing, so the checkpoint cannot be verified; it may be an "
+            "interrupted copy. Re-copy it, re-create it with `exaserve model create-tiny "
+            f"{root}`, or run write_manifest on a directory you trust"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        for name in files:  # a manifest must not make us hash files outside the checkpoint
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"entry {name!r} points outside the checkpoint directory")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a valid manifest ({e}); re-create it") from e
+    return files
+
+
+def _check_size(root: Path, name: str, entry: dict | None) -> int:
+    path = root / name
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing from the checkpoint; re-copy the checkpoint or "
+            f"re-create it with `exaserve model create-tiny {root}`"
+        )
+    size = path.stat().st_size
+    if entry is not None and size != entry["size"]:
+        raise CheckpointError(
+            f"{path} is {size} bytes, the manifest says {entry['size']}; the file is "
+            "truncated or replaced. Re-copy it or re-create the checkpoint"
+        )
+    return size
+
+
+def _read_bytes(root: Path, name: str, entry: dict | None,
+                on_bytes: Callable[[int], None] | None = None) -> bytes:
+    """Read one file; when ``entry`` is given, hash as we read and compare."""
+    _check_size(root, name, entry)
+    sha, md5, chunks = hashlib.sha256(), hashlib.md5(usedforsecurity=False), []
+    with open(root / name, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            if entry is not None:
+                sha.update(chunk)
+                md5.update(chunk)
+            chunks.append(chunk)
+            if on_bytes:
+                on_bytes(len(chunk))
+    if entry is not None:
+        _compare(root / name, entry, sha.hexdigest(), md5.hexdigest())
+    return b"".join(chunks)
+
+
+def _compare(path: Path, entry: dict, sha256: str, md5: str) -> None:
+    if sha256 != entry["sha256"] or md5 != entry["md5"]:
+        raise ChecksumError(
+            f"{path} is corrupt: sha256 expected {entry['sha256']}, actual {sha256}; "
+            f"md5 expected {entry['md5']}, actual {md5}. Re-copy the file from the "
+            f"shared store or re-create the checkpoint with `exaserve model create-tiny {path.parent}`"
+        )
+
+
+def verify_checkpoint(directory: str | os.PathLike, progress: Progress | None = None) -> None:
+    """Hash every file the manifest lists; raise CheckpointError/ChecksumError."""
+    root = Path(directory)
+    files = _read_manifest(root)
+    total = sum(_check_size(root, name, entry) for name, entry in files.items())
+    done = 0
+    for name, entry in files.items():
+        actual = _digests(root / name)
+        _compare(root / name, entry, actual["sha256"], actual["md5"])
+        done += actual["size"]
+        if progress:
+            progress(done, total)
+
+
+# ---------------------------------------------------------------- loading
+
+def _shard_files(root: Path, names: list[str]) -> list[str]:
+    """The shard names, checked complete (1..N of N) and in order."""
+    found = {}
+    for name in names:
+        if m := SHARD_RE.match(name):
+            found[name] = (int(m.group(1)), int(m.group(2)))
+    if not found:
+        raise CheckpointError(f"{root} has no model-XXXXX-of-XXXXX.safetensors shards")
+    counts = {of for _, of in found.values()}
+    count = max(counts)
+    want = [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    missing = [w for w in want if w not in found]
+    if len(counts) > 1 or missing:
+        raise CheckpointError(
+            f"{root} has an incomplete shard set: expected {count} shards, missing "
+            f"{missing or 'none'}, found {sorted(found)}; re-copy the checkpoint"
+        )
+    return want
+
+
+def load_checkpoint(directory: str | os.PathLike, verify: bool = True,
+                    progress: Progress | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """Read (config, weights) from a checkpoint; each file is read once.
+
+    With ``verify`` the bytes are hashed as they are read and compared with
+    the manifest (ChecksumError on mismatch). ``progress(done, total)``
+    reports bytes read. Weights keep the stored dtype.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(
+            f"checkpoint directory {root} does not exist; create one with "
+            f"`exaserve model create-tiny {root}` or fix the model path"
+        )
+    entries = _read_manifest(root) if verify else None
+    names = list(entries) if entries is not None else [p.name for p in root.iterdir()]
+    shards = _shard_files(root, names)
+    files = [CONFIG_FILE, *shards]
+    total = sum(_check_size(root, n, entries.get(n) if entries else None) for n in files)
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total)
+
+    def read(name: str) -> bytes:
+        if entries is not None and name not in entries:
+            raise CheckpointError(f"{root / name} is not listed in the manifest; re-create it")
+        return _read_bytes(root, name, entries[name] if entries else None, on_bytes)
+
+    try:
+        config = validate_config(json.loads(read(CONFIG_FILE)))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{root / CONFIG_FILE} is not valid JSON ({e})") from e
+    weights: dict[str, np.ndarray] = {}
+    for shard in shards:
+        data = read(shard)
+        try:
+            tensors = safetensors.numpy.load(data)
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"{root / shard} is not a valid safetensors file ({e})") from e
+        if dup := sorted(set(tensors) & set(weights)):
+            raise CheckpointError(f"{root / shard} repeats tensor(s) {dup[:5]} from an earlier shard")
+        weights.update(tensors)
+    check_weights(config, weights)
+    return config, weights

@@ -1,0 +1,109 @@
+"""The paged KV pool: K and V of every sequence, in fixed-size blocks.
+
+One array per K and V, laid out [layers, kv_heads, num_blocks, block_size,
+head_dim], so gathering a sequence's blocks of one layer gives
+[kv_heads, blocks, block_size, head_dim] which reshapes (no transpose) into
+the [kv_heads, tokens, head_dim] the attention matmul wants.
+
+Storage dtype: ``fp16`` (default), ``fp8`` (float8 e4m3fn through ml-dtypes:
+half the bytes; values are clipped to +-448, the format's range, since e4m3fn
+has no infinity), or ``fp32`` (exact; reference tests only). Attention always
+runs in float32 on the gathered values.
+
+Call protocol: ``pool = PagedKVCache(...)``; per sequence and forward pass,
+``pool.view(block_table, num_computed_tokens)`` gives an object with the
+model's cache seam (``num_tokens``, ``append(layer, k, v)``). Block ids come
+from ``BlockManager``; the view only writes positions its table covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+KV_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16),
+             "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+FP8_MAX = 448.0
+
+
+def kv_dtype(name: str) -> np.dtype:
+    try:
+        return KV_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype {name!r} is not supported; choose one of "
+                         f"{', '.join(KV_DTYPES)}") from None
+
+
+class PagedKVCache:
+    """Preallocated K/V blocks for every layer; see the module docstring."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: str = "fp16") -> None:
+        self.dtype_name = dtype
+        self.dtype = kv_dtype(dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (layers, kv_heads, num_blocks, block_size, head_dim)
+        # np.zeros: pages are only touched (resident) when a block is first written.
+        self.k = np.zeros(shape, self.dtype)
+        self.v = np.zeros(shape, self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        layers, kv_heads, _, _, head_dim = self.k.shape
+        return 2 * layers * kv_heads * head_dim * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        if self.dtype_name == "fp8":
+            x = np.clip(x, -FP8_MAX, FP8_MAX)
+        return x.astype(self.dtype, copy=False)
+
+    def view(self, block_table: Sequence[int], num_tokens: int) -> SequenceKV:
+        return SequenceKV(self, block_table, num_tokens)
+
+
+class SequenceKV:
+    """One sequence's window on the pool, for one forward pass: the model's
+    cache seam (``num_tokens`` and ``append``), as ``model.KVCache`` offers."""
+
+    def __init__(self, pool: PagedKVCache, block_table: Sequence[int], num_tokens: int) -> None:
+        self._pool = pool
+        self._table = np.asarray(block_table, dtype=np.intp)
+        self._len = [num_tokens] * pool.k.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._len[-1]
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self._table) * self._pool.block_size
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write k, v [T, kv_heads, head_dim] after the tokens held; return all
+        keys and values of ``layer`` as float32 [kv_heads, tokens, head_dim]."""
+        start, end = self._len[layer], self._len[layer] + k.shape[0]
+        if end > self.max_tokens:
+            raise ValueError(
+                f"paged KV cache: {start} tokens held + {k.shape[0]} new > {self.max_tokens} "
+                f"covered by {len(self._table)} blocks; the block manager must allocate first"
+            )
+        bs = self._pool.block_size
+        positions = np.arange(start, end)
+        blocks, offsets = self._table[positions // bs], positions % bs
+        pk, pv = self._pool.k[layer], self._pool.v[layer]
+        pk[:, blocks, offsets] = self._pool.encode(k.transpose(1, 0, 2))
+        pv[:, blocks, offsets] = self._pool.encode(v.transpose(1, 0, 2))
+        self._len[layer] = end
+        used = self._table[:-(-end // bs)]
+        shape = (pk.shape[0], len(used) * bs, pk.shape[-1])
+        keys = pk[:, used].reshape(shape)[:, :end].astype(np.float32)
+        values = pv[:, used].reshape(shape)[:, :end].astype(np.float32)
+        return keys, values

@@ -1,0 +1,104 @@
+"""KV-cache events: which prefix blocks a replica holds, for precise routing.
+
+Wire format (the shape vLLM's KV-event publisher uses): each batch is one
+ZeroMQ PUB multipart message ``[topic, sequence number (8 bytes, big
+endian), payload]``; the payload is a MessagePack ``KVEventBatch``. Block
+names are the chained hashes of ``block_manager.hash_block_tokens``, so a
+router that hashes a prompt the same way knows which replica holds it.
+
+A subscriber that missed messages sees a gap in the sequence numbers and
+should drop what it knows of that replica (``AllBlocksCleared`` is also sent
+when the engine shuts down).
+
+Call protocol: ``pub = KVEventPublisher(endpoint, topic)``;
+``pub.publish(events)`` after each engine step (no-op for an empty list;
+never blocks: a slow subscriber loses messages, the engine never waits);
+``pub.close()``. ``decode_batch(payload)`` for subscribers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Union
+
+import msgspec
+
+
+class BlockStored(msgspec.Struct, tag="stored", frozen=True):
+    block_hashes: list[int]          # consecutive blocks of one sequence, in order
+    parent_block_hash: int | None    # hash of the block before the first; None at the start
+    token_ids: list[int]             # len(block_hashes) * block_size ids
+    block_size: int
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", frozen=True):
+    block_hashes: list[int]          # evicted: no longer reusable on this replica
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", frozen=True):
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, frozen=True):
+    ts: float                        # publisher's wall clock, seconds since the epoch
+    events: list[KVEvent]
+    replica_id: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _ENCODER.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Raises msgspec.DecodeError for a payload that is not a KVEventBatch."""
+    return _DECODER.decode(payload)
+
+
+class KVEventPublisher:
+    """Binds a PUB socket on ``endpoint`` (e.g. ``tcp://*:5557``)."""
+
+    def __init__(self, endpoint: str, topic: str = "kv-events", replica_id: str = "",
+                 high_water_mark: int = 100_000) -> None:
+        import zmq  # the transport seam: only this class touches ZeroMQ
+
+        self._zmq = zmq
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._socket.close()
+            raise ValueError(f"cannot bind the KV-event socket on {endpoint!r}: {e}; "
+                             "choose a free port or another endpoint") from e
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._topic = topic.encode()
+        self._replica_id = replica_id
+        self._seq = 0
+        self.dropped = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events or self._socket is None:
+            return
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=list(events),
+                                            replica_id=self._replica_id))
+        frames = [self._topic, self._seq.to_bytes(8, "big"), payload]
+        self._seq += 1
+        try:
+            self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            self.dropped += 1
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self.publish([AllBlocksCleared()])
+            self._socket.close()
+            self._socket = None

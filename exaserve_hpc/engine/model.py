@@ -1,0 +1,234 @@
+"""A small Llama-style decoder in numpy (the CPU reference model).
+
+RMSNorm, RoPE (half-split "rotate_half" convention, as Hugging Face Llama),
+grouped-query attention, SwiGLU MLP, tied or separate lm_head, optional
+output bias. All arithmetic is float32 whatever the stored dtype.
+
+Call protocol:
+- ``model = LlamaModel(config, weights)`` with a config/weights pair from
+  ``exaserve_hpc.cache.checkpoint.load_checkpoint``.
+- Per sequence: ``cache = model.new_cache()``; ``model.prefill(ids, cache)``
+  -> logits [vocab] of the last prompt token; then repeatedly
+  ``model.decode([(token, cache), ...])`` -> logits [B, vocab], one row per
+  sequence. Each call appends the new tokens' keys/values to the caches.
+- ``prefill_batch([(ids, cache), ...])`` prefills several sequences in one
+  ragged pass (their tokens are concatenated; projections and MLP run as one
+  matmul, attention per sequence).
+
+Seams for later work: all KV access goes through ``KVCache.append``, so a
+paged block cache only has to provide the same method; tensor parallelism
+splits ``LayerWeights.wqkv``/``w_gate_up`` by columns and ``wo``/``w_down``
+by rows (whole heads per shard) and adds an all-reduce after those two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from exaserve_hpc.cache.checkpoint import check_weights, validate_config
+
+
+class KVCache:
+    """Keys and values of one sequence, one growing contiguous array per layer.
+
+    Layout per layer is [kv_heads, capacity, head_dim], so each kv head's
+    keys are contiguous for the attention matmul. Capacity doubles as
+    needed (amortised O(1) append) up to ``max_tokens``.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_tokens: int,
+                 initial_capacity: int = 64) -> None:
+        self.max_tokens = max_tokens
+        cap = min(initial_capacity, max_tokens)
+        self._k = [np.empty((kv_heads, cap, head_dim), np.float32) for _ in range(layers)]
+        self._v = [np.empty((kv_heads, cap, head_dim), np.float32) for _ in range(layers)]
+        self._len = [0] * layers
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held; equal across layers between forward passes."""
+        return self._len[-1]
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append k, v [T, kv_heads, head_dim] to ``layer``; return all keys and
+        values of that layer so far as views [kv_heads, tokens, head_dim]."""
+        start, n = self._len[layer], k.shape[0]
+        end = start + n
+        if end > self.max_tokens:
+            raise ValueError(
+                f"KV cache full: {start} tokens held + {n} new > max {self.max_tokens}; "
+                "the engine must finish the sequence at max_seq_len"
+            )
+        if end > self._k[layer].shape[1]:
+            cap = min(max(end, 2 * self._k[layer].shape[1]), self.max_tokens)
+            for store in (self._k, self._v):
+                grown = np.empty(store[layer].shape[:1] + (cap,) + store[layer].shape[2:], np.float32)
+                grown[:, :start] = store[layer][:, :start]
+                store[layer] = grown
+        self._k[layer][:, start:end] = k.transpose(1, 0, 2)
+        self._v[layer][:, start:end] = v.transpose(1, 0, 2)
+        self._len[layer] = end
+        return self._k[layer][:, :end], self._v[layer][:, :end]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, transposed to [in, out] and fused for fewer matmuls."""
+
+    attn_norm: np.ndarray  # [hidden]
+    wqkv: np.ndarray       # [hidden, (heads + 2 * kv_heads) * head_dim]
+    wo: np.ndarray         # [heads * head_dim, hidden]
+    mlp_norm: np.ndarray   # [hidden]
+    w_gate_up: np.ndarray  # [hidden, 2 * intermediate]: gate (w1) then up (w3)
+    w_down: np.ndarray     # [intermediate, hidden]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * weight over the last axis."""
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * scale * weight
+
+
+def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables [max_position, head_dim // 2] (precomputed once per model)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate x [T, heads, head_dim] by per-token cos/sin [T, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention for one sequence.
+
+    q [T, heads, hd] are the queries at positions start..start+T-1; keys and
+    values [kv_heads, start+T, hd]. Query head h uses kv head h // group
+    (group = heads // kv_heads). Returns [T, heads, hd].
+    """
+    t, heads, hd = q.shape
+    kv_heads, s, _ = keys.shape
+    group = heads // kv_heads
+    # [kv_heads, group*T, hd]: the group's query heads share one K/V matmul.
+    qg = q.transpose(1, 0, 2).reshape(kv_heads, group * t, hd)
+    scores = (qg @ keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))
+    if t > 1:  # decode (t == 1) sees all keys; prefill needs the causal mask
+        scores = scores.reshape(kv_heads, group, t, s)
+        future = np.arange(s)[None, :] > (start + np.arange(t))[:, None]
+        scores = np.where(future, np.float32(-np.inf), scores).reshape(kv_heads, group * t, s)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ values  # [kv_heads, group*T, hd]
+    return out.reshape(heads, t, hd).transpose(1, 0, 2)
+
+
+class LlamaModel:
+    """Llama-style decoder over numpy weights; see the module docstring."""
+
+    def __init__(self, config: dict, weights: dict[str, np.ndarray]) -> None:
+        validate_config(config)
+        check_weights(config, weights)
+        self.config = config
+        self.num_layers = config["layers"]
+        self.heads, self.kv_heads = config["heads"], config["kv_heads"]
+        self.head_dim = config["hidden"] // self.heads
+        self.vocab_size = config["vocab_size"]
+        self.max_position = config["max_position"]
+        self.eps = float(config["norm_eps"])
+
+        def f32(name: str) -> np.ndarray:
+            return np.ascontiguousarray(weights[name], dtype=np.float32)
+
+        self.embed = f32("embed")
+        self.layers = []
+        for n in range(self.num_layers):
+            p = f"layers.{n}."
+            self.layers.append(LayerWeights(
+                attn_norm=f32(p + "attn_norm"),
+                wqkv=np.ascontiguousarray(np.concatenate(
+                    [f32(p + "attn.wq"), f32(p + "attn.wk"), f32(p + "attn.wv")]).T),
+                wo=np.ascontiguousarray(f32(p + "attn.wo").T),
+                mlp_norm=f32(p + "mlp_norm"),
+                w_gate_up=np.ascontiguousarray(
+                    np.concatenate([f32(p + "mlp.w1"), f32(p + "mlp.w3")]).T),
+                w_down=np.ascontiguousarray(f32(p + "mlp.w2").T),
+            ))
+        self.norm = f32("norm")
+        head = self.embed if config.get("tie_embeddings", False) else f32("lm_head")
+        self.lm_head = np.ascontiguousarray(head.T)  # [hidden, vocab]
+        self.lm_head_bias = f32("lm_head_bias") if "lm_head_bias" in weights else None
+        self.cos, self.sin = rope_tables(self.max_position, self.head_dim,
+                                         float(config["rope_theta"]))
+
+    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+        """An empty per-sequence KV cache holding up to ``max_tokens`` (default
+        max_position) tokens."""
+        limit = self.max_position if max_tokens is None else min(max_tokens, self.max_position)
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, limit)
+
+    def prefill(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Run the prompt (or a continuation chunk) through; logits [vocab] of its last token."""
+        return self.prefill_batch([(token_ids, cache)])[0]
+
+    def prefill_batch(self, batch: Sequence[tuple[Sequence[int], KVCache]]) -> np.ndarray:
+        """Prefill several sequences in one ragged pass; logits [B, vocab] of
+        each sequence's last token."""
+        for ids, _ in batch:
+            if len(ids) == 0:
+                raise ValueError("prefill needs at least one token per sequence")
+        return self._forward([list(ids) for ids, _ in batch], [c for _, c in batch])
+
+    def decode(self, batch: Sequence[tuple[int, KVCache]]) -> np.ndarray:
+        """One token per sequence (sequences may have different lengths);
+        logits [B, vocab]."""
+        return self._forward([[tok] for tok, _ in batch], [c for _, c in batch])
+
+    def _forward(self, chunks: list[list[int]], caches: list[KVCache]) -> np.ndarray:
+        """Tokens of all chunks concatenated, run through every layer; returns
+        logits of each chunk's last token."""
+        lengths = [len(c) for c in chunks]
+        offsets = np.cumsum([0] + lengths)
+        starts = [cache.num_tokens for cache in caches]
+        if any(s + n > self.max_position for s, n in zip(starts, lengths)):
+            raise ValueError(
+                f"sequence would exceed max_position={self.max_position} "
+                f"(held {starts}, adding {lengths}); finish it earlier"
+            )
+        flat = np.fromiter((t for c in chunks for t in c), np.int64, int(offsets[-1]))
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            bad = flat[(flat < 0) | (flat >= self.vocab_size)][0]
+            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_width = self.heads * self.head_dim
+        kv_width = self.kv_heads * self.head_dim
+        x = self.embed[flat]
+        for index, lw in enumerate(self.layers):
+            qkv = rms_norm(x, lw.attn_norm, self.eps) @ lw.wqkv
+            q = apply_rope(qkv[:, :q_width].reshape(-1, self.heads, self.head_dim), cos, sin)
+            k = apply_rope(qkv[:, q_width:q_width + kv_width].reshape(-1, self.kv_heads, self.head_dim),
+                           cos, sin)
+            v = qkv[:, q_width + kv_width:].reshape(-1, self.kv_heads, self.head_dim)
+            out = np.empty_like(q)
+            for b, cache in enumerate(caches):  # attention is per sequence (ragged)
+                lo, hi = offsets[b], offsets[b + 1]
+                keys, values = cache.append(index, k[lo:hi], v[lo:hi])
+                out[lo:hi] = attention(q[lo:hi], keys, values, starts[b])
+            x = x + out.reshape(-1, q_width) @ lw.wo
+            gate_up = rms_norm(x, lw.mlp_norm, self.eps) @ lw.w_gate_up
+            gate, up = np.split(gate_up, 2, axis=-1)
+            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ lw.w_down  # SwiGLU
+        last = rms_norm(x[offsets[1:] - 1], self.norm, self.eps)
+        logits = last @ self.lm_head
+        if self.lm_head_bias is not None:
+            logits += self.lm_head_bias
+        return logits

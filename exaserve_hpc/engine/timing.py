@@ -1,0 +1,147 @@
+"""Timing-model engine: the step protocol with time instead of arithmetic.
+
+Routers and simulators need thousands of replicas that cost nothing but
+behave like engines. This one shares the reference engine's scheduler and
+block manager (same admission, chunked prefill, preemption, prefix cache,
+KV events, stats), but a step computes no logits: it takes
+
+    step_s = step_overhead_s
+           + prefill_per_token_s  * uncached prompt tokens computed this step
+           + decode_per_seq_s     * sequences decoding this step
+           + kv_read_per_token_s  * K/V tokens the decoding sequences attend to
+
+and the tokens it emits are a fixed filler (requests end at max_tokens).
+Constants per GPU kind are in ``GPU_TIMINGS``; pass ``timings=`` for your
+own (``benchmarks/calibrate_timing.py`` fits them to a real engine).
+
+Virtual time: the clock is injectable. ``step()`` starts a batch and returns
+[]; a later ``step()`` at or after ``next_event_time()`` completes it
+(tokens, first-token times stamped at the batch's end) and starts the next.
+A simulator advances its clock to the smallest ``next_event_time()`` of its
+engines; under ``time.monotonic`` the same engine paces itself in real time
+inside the replica loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from exaserve_hpc.engine.base import StepOutput
+from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
+from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
+from exaserve_hpc.engine.tokenizer import VOCAB_SIZE
+
+FILLER = b"exaserve timing model output. "
+
+
+@dataclass(frozen=True)
+class GpuTimings:
+    """Seconds per unit of work for one model on one GPU kind."""
+
+    step_overhead_s: float       # fixed per step (weights read once per step, launch)
+    prefill_per_token_s: float   # per uncached prompt token (compute bound)
+    decode_per_seq_s: float      # per decoding sequence
+    kv_read_per_token_s: float   # per cached K/V token a decode attends to (bandwidth)
+    kv_bytes_per_token: int = 131072  # fp16 K+V of one token, all layers
+
+    def step_seconds(self, batch: ScheduledBatch) -> float:
+        context = sum(s.num_computed_tokens + 1 for s in batch.decodes)
+        return (self.step_overhead_s + self.prefill_per_token_s * batch.prefill_tokens
+                + self.decode_per_seq_s * len(batch.decodes)
+                + self.kv_read_per_token_s * context)
+
+
+# Roofline estimates for a Llama-3-8B-class model in fp16 on one GPU (weights
+# 16 GB read per step; 2 * 8e9 flop per prompt token; K/V 128 KiB per token),
+# to be replaced by calibrated figures where a machine has been measured.
+# "reference-cpu": fitted by benchmarks/calibrate_timing.py to the numpy
+# reference engine and the 2-layer tiny model on a 2-core CI box.
+GPU_TIMINGS: dict[str, GpuTimings] = {
+    "a100-80gb": GpuTimings(8.0e-3, 6.4e-5, 2.0e-5, 6.4e-8),
+    "h100-sxm": GpuTimings(4.8e-3, 2.7e-5, 1.5e-5, 3.8e-8),
+    "h200": GpuTimings(3.3e-3, 2.7e-5, 1.5e-5, 2.7e-8),
+    "gh200": GpuTimings(3.5e-3, 2.7e-5, 1.5e-5, 2.8e-8),
+    "mi250x-gcd": GpuTimings(10.0e-3, 8.4e-5, 3.0e-5, 8.0e-8),
+    "reference-cpu": GpuTimings(1.0e-4, 2.0e-5, 3.0e-5, 2.0e-8, kv_bytes_per_token=256),
+}
+
+
+def timings_for(gpu_kind: str) -> GpuTimings:
+    try:
+        return GPU_TIMINGS[gpu_kind]
+    except KeyError:
+        raise ValueError(f"no timing constants for GPU kind {gpu_kind!r}; known kinds: "
+                         f"{', '.join(sorted(GPU_TIMINGS))}; or pass timings=GpuTimings(...)") from None
+
+
+class TimingEngine(ContinuousBatchingEngine):
+    """Engine protocol over a cost model; see the module docstring.
+
+    ``model_dir`` is accepted for symmetry with ``ReferenceEngine`` and not
+    read. Other keyword arguments are ``ContinuousBatchingEngine._setup``'s.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike | None = None, *, gpu_kind: str = "h100-sxm",
+                 timings: GpuTimings | None = None, kv_cache_dtype: str = "fp16",
+                 vocab_size: int = VOCAB_SIZE, **kwargs) -> None:
+        if kv_cache_dtype not in ("fp16", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose fp16 or fp8")
+        self.gpu_kind = gpu_kind if timings is None else "custom"
+        timings = timings or timings_for(gpu_kind)
+        if kv_cache_dtype == "fp8":  # half the bytes to store and to read
+            timings = replace(timings, kv_read_per_token_s=timings.kv_read_per_token_s / 2,
+                              kv_bytes_per_token=timings.kv_bytes_per_token // 2)
+        self.timings = timings
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_bytes_per_token = timings.kv_bytes_per_token
+        self._setup(vocab_size=vocab_size, **kwargs)
+        self._inflight: ScheduledBatch | None = None
+        self._ready_at = 0.0
+        self.busy_seconds = 0.0
+
+    def next_event_time(self) -> float | None:
+        """When ``step()`` next has something to do: the running batch's end,
+        the batching window's end, or now (None when idle)."""
+        if self._inflight is not None:
+            return self._ready_at
+        waiting = self.scheduler.waiting
+        if self._aborts or self.scheduler.running:
+            return self._clock()
+        if waiting:
+            return max(self._clock(), waiting[0].arrived + self.scheduler.config.max_wait_ms / 1e3)
+        return None
+
+    def step(self) -> list[StepOutput]:
+        """Complete the batch in flight if its time has come, then start the next."""
+        self._check_open()
+        outputs = self._take_aborts()
+        now = self._clock()
+        if self._inflight is not None:
+            if now < self._ready_at:
+                return outputs
+            batch, self._inflight = self._inflight, None
+            outputs += self._complete(batch, self._filler(batch), self._ready_at)
+            now = max(now, self._ready_at)
+        batch = self.scheduler.schedule(now)
+        if batch:
+            seconds = self.timings.step_seconds(batch)
+            self.busy_seconds += seconds
+            self._inflight, self._ready_at = batch, now + seconds
+        self._publish_events()
+        return outputs
+
+    def _filler(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        return {seq: FILLER[seq.generated % len(FILLER)] for seq, n in batch.chunks()
+                if not seq.done and seq.num_pending == n}
+
+    def warmup(self) -> None:
+        """Nothing to load; checks the engine is open and the constants sane."""
+        self._check_open()
+        t = self.timings
+        if min(t.step_overhead_s, t.prefill_per_token_s, t.decode_per_seq_s,
+               t.kv_read_per_token_s) < 0:
+            raise ValueError(f"timing constants must be >= 0, got {t}")
+
+    def stats(self) -> dict:
+        return {**super().stats(), "gpu_kind": self.gpu_kind, "busy_seconds": self.busy_seconds}

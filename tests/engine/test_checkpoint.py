@@ -1,0 +1,174 @@
+"""Model repository: tiny checkpoints, manifests, verification, loading."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from exaserve_hpc.cache.checkpoint import (
+    CheckpointError, ChecksumError, TinyModelSpec, create_tiny_checkpoint,
+    ensure_tiny_checkpoint, load_checkpoint, spec_config, verify_checkpoint, weight_shapes,
+    write_manifest,
+)
+
+SMALL = TinyModelSpec(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=48,
+                      max_position=128, shards=2)
+SHARD1 = "model-00001-of-00002.safetensors"
+
+
+def files_of(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return create_tiny_checkpoint(tmp_path / "tiny", SMALL)
+
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_creation_is_deterministic(tmp_path):
+    a = files_of(create_tiny_checkpoint(tmp_path / "a", SMALL))
+    b = files_of(create_tiny_checkpoint(tmp_path / "b", SMALL))
+    assert set(a) == {"config.json", "manifest.json", SHARD1, "model-00002-of-00002.safetensors"}
+    assert a == b
+    c = files_of(create_tiny_checkpoint(tmp_path / "c", TinyModelSpec(**{**SMALL.__dict__, "seed": 1})))
+    assert c[SHARD1] != a[SHARD1]
+
+
+def test_load_returns_config_and_every_weight(ckpt):
+    seen = []
+    config, weights = load_checkpoint(ckpt, progress=lambda done, total: seen.append((done, total)))
+    assert config == spec_config(SMALL)
+    assert config["format"] == "exaserve-llama-v1"
+    for name, shape in weight_shapes(config).items():
+        assert weights[name].shape == shape and weights[name].dtype == np.float32
+    assert weights["lm_head_bias"][257] < 0  # EOS made rare by a real weight
+    total = sum(p.stat().st_size for p in ckpt.iterdir() if p.name != "manifest.json")
+    assert seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_manifest_lists_every_other_file_with_sums(ckpt):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
+    entry = manifest["files"]["config.json"]
+    assert entry["size"] == (ckpt / "config.json").stat().st_size
+    assert len(entry["sha256"]) == 64 and len(entry["md5"]) == 32
+    verify_checkpoint(ckpt)
+
+
+def test_flipped_byte_raises_checksum_error_naming_file_and_sums(ckpt):
+    expected = json.loads((ckpt / "manifest.json").read_text())["files"][SHARD1]
+    flip_last_byte(ckpt / SHARD1)
+    for check in (verify_checkpoint, load_checkpoint):
+        with pytest.raises(ChecksumError) as info:
+            check(ckpt)
+        message = str(info.value)
+        assert SHARD1 in message
+        assert expected["sha256"] in message and expected["md5"] in message
+        actual = [w for w in message.replace(";", " ").replace(".", " ").split()
+                  if len(w) == 64 and w != expected["sha256"]]
+        assert actual, message  # the actual sha256 is there too
+    config, weights = load_checkpoint(ckpt, verify=False)  # unverified load still reads
+    assert "norm" in weights or "lm_head" in weights
+
+
+def test_missing_manifest_is_a_checkpoint_error_with_advice(ckpt):
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json is missing.*create-tiny"):
+        load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        verify_checkpoint(ckpt)
+    write_manifest(ckpt)  # an operator can re-bless a directory they trust
+    verify_checkpoint(ckpt)
+
+
+def test_missing_and_truncated_files(ckpt):
+    data = (ckpt / SHARD1).read_bytes()
+    (ckpt / SHARD1).write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match=rf"{len(data) - 10} bytes, the manifest says {len(data)}"):
+        verify_checkpoint(ckpt)
+    (ckpt / SHARD1).unlink()
+    with pytest.raises(CheckpointError, match=f"{SHARD1} is missing"):
+        load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="incomplete shard set"):
+        load_checkpoint(ckpt, verify=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(ckpt.parent / "nowhere")
+
+
+def test_failed_creation_leaves_nothing(tmp_path):
+    def crash(done, total):
+        if done < total:
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        create_tiny_checkpoint(tmp_path / "tiny", SMALL, progress=crash)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_create_refuses_a_non_empty_directory(ckpt, tmp_path):
+    with pytest.raises(CheckpointError, match="already exists"):
+        create_tiny_checkpoint(ckpt, SMALL)
+    (tmp_path / "empty").mkdir()
+    create_tiny_checkpoint(tmp_path / "empty", SMALL)  # an empty directory is fine
+    verify_checkpoint(tmp_path / "empty")
+
+
+def test_ensure_creates_then_reuses_then_rejects_other_model(tmp_path):
+    target = ensure_tiny_checkpoint(tmp_path / "m", SMALL)
+    mtime = (target / SHARD1).stat().st_mtime_ns
+    assert ensure_tiny_checkpoint(target, SMALL) == target
+    assert (target / SHARD1).stat().st_mtime_ns == mtime
+    other = TinyModelSpec(**{**SMALL.__dict__, "seed": 7})
+    with pytest.raises(CheckpointError, match="different model.*init"):
+        ensure_tiny_checkpoint(target, other)
+    flip_last_byte(target / SHARD1)
+    with pytest.raises(ChecksumError):
+        ensure_tiny_checkpoint(target, SMALL)
+
+
+def test_float16_and_three_shards(tmp_path):
+    spec = TinyModelSpec(**{**SMALL.__dict__, "dtype": "float16", "shards": 3})
+    ckpt = create_tiny_checkpoint(tmp_path / "h", spec)
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    assert shards == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    config, weights = load_checkpoint(ckpt)
+    assert config["dtype"] == "float16"
+    assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
+    assert set(weights) == set(weight_shapes(config)) | {"lm_head_bias"}
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"heads": 4, "kv_heads": 3}, "not a multiple of kv_heads=3"),
+    ({"hidden": 30, "heads": 4}, "not divisible by heads=4"),
+    ({"dtype": "bfloat16"}, "float32, float16"),
+    ({"vocab_size": 100}, "at least 259"),
+    ({"layers": 0}, "layers must be a positive integer"),
+    ({"shards": 99}, "into 99 shards"),
+])
+def test_bad_specs_are_rejected(tmp_path, fields, match):
+    with pytest.raises(ValueError, match=match):
+        create_tiny_checkpoint(tmp_path / "x", TinyModelSpec(**{**SMALL.__dict__, **fields}))
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_ensure_refuses_a_directory_without_manifest(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no manifest.json: an interrupted copy"):
+        ensure_tiny_checkpoint(tmp_path / "half", SMALL)
+
+
+def test_manifest_entries_cannot_escape_the_directory(ckpt):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["../outside"] = {"size": 1, "sha256": "0" * 64, "md5": "0" * 32}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="points outside the checkpoint"):
+        verify_checkpoint(ckpt)

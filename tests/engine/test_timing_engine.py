@@ -1,0 +1,129 @@
+"""TimingEngine: virtual time, the reference engine's cache behaviour, scale."""
+
+import heapq
+
+import pytest
+
+from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
+from exaserve_hpc.engine.base import Engine, EngineRequest
+from exaserve_hpc.engine.reference import ReferenceEngine
+from exaserve_hpc.engine.timing import GPU_TIMINGS, GpuTimings, TimingEngine
+
+SIMPLE = GpuTimings(step_overhead_s=1e-3, prefill_per_token_s=1e-4, decode_per_seq_s=2e-3,
+                    kv_read_per_token_s=0.0, kv_bytes_per_token=1000)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_virtual_time_prefill_and_decode_costs():
+    clock = Clock()
+    engine = TimingEngine(timings=SIMPLE, clock=clock, max_wait_ms=0)
+    assert isinstance(engine, Engine)
+    engine.warmup()
+    engine.add_request(EngineRequest("a", list(range(100)), 5, stop_token_ids=()))
+    assert engine.step() == []                     # batch started, not done
+    assert engine.next_event_time() == pytest.approx(1e-3 + 100 * 1e-4)
+    clock.t = 0.005
+    assert engine.step() == []                     # too early
+    clock.t = engine.next_event_time()
+    (first,) = engine.step()
+    assert first.new_token_ids and not first.finished
+    times = [clock.t]
+    while engine.has_unfinished():
+        clock.t = engine.next_event_time()
+        if engine.step():
+            times.append(clock.t)
+    assert len(times) == 5
+    assert [b - a for a, b in zip(times, times[1:])] == pytest.approx([3e-3] * 4)
+    stats = engine.stats()
+    assert stats["ttft_ms"]["p50"] == pytest.approx(11.0)
+    assert stats["tpot_ms"]["p50"] == pytest.approx(3.0)
+    assert engine.next_event_time() is None
+
+
+def test_batching_window_and_abort_in_flight():
+    clock = Clock()
+    engine = TimingEngine(timings=SIMPLE, clock=clock, max_wait_ms=20, prefill_batch_size=4)
+    engine.add_request(EngineRequest("a", [1, 2, 3], 3))
+    assert engine.step() == [] and engine.next_event_time() == pytest.approx(0.02)
+    clock.t = 0.02
+    engine.step()
+    engine.abort("a")
+    (out,) = engine.step()                        # the abort answers at once
+    assert out.finish_reason == "abort" and out.completion_tokens == 0
+    clock.t = 1.0
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_cache_behaviour_matches_the_reference_engine(tmp_path):
+    loaded = load_checkpoint(create_tiny_checkpoint(
+        tmp_path / "m", TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=48,
+                                      max_position=256, shards=1)))
+    system = list(range(40, 90))
+    reqs = [EngineRequest(f"r{i}", system + [i] * (3 + i), 20, stop_token_ids=())
+            for i in range(8)]
+    knobs = dict(max_wait_ms=0, max_seq_len=256, block_size=8, num_kv_blocks=24,
+                 max_batch_size=6, prefill_batch_size=3, chunked_prefill=True,
+                 prefill_chunk_tokens=16)
+    ref = ReferenceEngine.from_weights(*loaded, **knobs)
+    clock = Clock()
+    sim = TimingEngine(timings=SIMPLE, clock=clock, **knobs)
+    for engine in (ref, sim):
+        for r in reqs[:5]:
+            engine.add_request(r)
+    steps = 0
+    while ref.has_unfinished() or sim.has_unfinished():
+        ref.step()
+        clock.t = sim.next_event_time() or clock.t
+        sim.step()
+        if steps == 3:
+            for engine in (ref, sim):
+                for r in reqs[5:]:
+                    engine.add_request(r)
+        steps += 1
+        assert steps < 500
+    keys = ("prefix_hit_tokens", "prefill_tokens", "preemptions", "tokens_generated",
+            "requests_finished", "batch_size_hist", "kv_blocks_used")
+    want, got = ref.stats(), sim.stats()
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert want["preemptions"] > 0 and want["prefix_hit_tokens"] > 0
+
+
+def test_a_thousand_engines_under_one_virtual_clock():
+    clock = Clock()
+    engines = [TimingEngine(gpu_kind="h100-sxm", clock=clock, max_wait_ms=0) for _ in range(1000)]
+    for i, engine in enumerate(engines):
+        engine.add_request(EngineRequest(f"r{i}", list(range(1, 2 + i % 200)), 8,
+                                         stop_token_ids=()))
+    events = [(engine.next_event_time(), i) for i, engine in enumerate(engines)]
+    heapq.heapify(events)
+    finished = 0
+    while events:
+        clock.t, i = heapq.heappop(events)
+        finished += sum(o.finished for o in engines[i].step())
+        nxt = engines[i].next_event_time()
+        if nxt is not None:
+            heapq.heappush(events, (nxt, i))
+    assert finished == 1000
+    # The longest prompt (200 tokens) bounds the makespan: prefill + 7 decode steps.
+    t = GPU_TIMINGS["h100-sxm"]
+    assert clock.t == pytest.approx(t.step_overhead_s * 8 + t.prefill_per_token_s * 200
+                                    + t.decode_per_seq_s * 7
+                                    + t.kv_read_per_token_s * sum(range(201, 208)), rel=1e-9)
+
+
+def test_gpu_table_and_fp8():
+    with pytest.raises(ValueError, match="no timing constants for GPU kind 'tpu'; known kinds:"):
+        TimingEngine(gpu_kind="tpu")
+    fp16 = TimingEngine(gpu_kind="h200")
+    fp8 = TimingEngine(gpu_kind="h200", kv_cache_dtype="fp8")
+    assert fp8.stats()["kv_bytes_per_token"] * 2 == fp16.stats()["kv_bytes_per_token"]
+    assert fp8.timings.kv_read_per_token_s * 2 == fp16.timings.kv_read_per_token_s
+    assert fp16.stats()["gpu_kind"] == "h200"
