@@ -150,6 +150,7 @@ class EngineSettings(msgspec.Struct, omit_defaults=True):
     max_wait_ms: float = 50.0
     prefill_batch_size: int = 8
     decode_batch_size: int = 64
+    options: dict[str, float] = {}  # engine-specific knobs, passed as keyword arguments
 
 
 class StartReplica(_Msg, tag="start"):

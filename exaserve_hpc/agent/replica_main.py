@@ -66,7 +66,7 @@ def die_with_parent() -> None:
 
 def make_engine(spec: StartReplica):
     settings = spec.settings
-    kwargs = dict(max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len)
+    kwargs = dict(max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, **settings.options)
     if settings.engine == "echo":
         from ..engine.echo import EchoEngine
         return EchoEngine(**kwargs)
@@ -140,14 +140,18 @@ class ReplicaServer:
 
     def run(self) -> None:
         next_stats = 0.0
+        stepped = False
         while True:
-            busy = self.engine.has_unfinished()
-            if self.socket.poll(0 if busy else 50):
+            # Poll without waiting while the engine produces tokens; wait 1 ms while it holds
+            # requests back (its max_wait_ms batching window), 50 ms when idle.
+            wait_ms = (0 if stepped else 1) if self.engine.has_unfinished() else 50
+            if self.socket.poll(wait_ms):
                 self._receive()
             now = time.monotonic()
             if self.engine.has_unfinished():
                 started = time.perf_counter()
                 outputs = self.engine.step()
+                stepped = bool(outputs)
                 step_ms = (time.perf_counter() - started) * 1000
                 self.latency_ewma_ms = 0.9 * self.latency_ewma_ms + 0.1 * step_ms if self.latency_ewma_ms else step_ms
                 for output in outputs:
@@ -156,6 +160,8 @@ class ReplicaServer:
                         self._running_ids.discard(output.request_id)
                     if chunk is not None:
                         self._send(chunk)
+            else:
+                stepped = False
             for chunk in self.coalescer.due(now):
                 self._send(chunk)
             if now >= next_stats:
