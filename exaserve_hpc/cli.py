@@ -21,7 +21,8 @@ from rich.table import Table
 from . import __version__
 from .config import ConfigError, load_site, resolve_site
 
-out = Console(soft_wrap=True)
+# Piped output (scripts, logs) gets wide tables rather than truncated cells.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, soft_wrap=True)
 
 

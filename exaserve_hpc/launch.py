@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -104,8 +105,30 @@ def build_router(site: SiteConfig) -> ZmqRouter:
     return ZmqRouter(dispatcher, r.host, r.frontend_port, r.backend_port).start()
 
 
-def serve(site: SiteConfig, options: ServeOptions) -> int:
+def _gateway_server(app, **config):
+    """A uvicorn server that stops on SIGINT/SIGTERM and returns, so our cleanup runs.
+
+    uvicorn re-raises the captured signal after its own shutdown, which would
+    kill this process before the replicas are drained; we take that part out.
+    """
+    import contextlib
+
     import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GatewayServer(uvicorn.Config(app, **config))
+
+
+def serve(site: SiteConfig, options: ServeOptions) -> int:
 
     from .router.backend import ModelInfo
     from .router.client import RouterClient
@@ -129,8 +152,8 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
     app = create_app(client, site)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
-                                           timeout_graceful_shutdown=10, access_log=False))
+    server = _gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+                             timeout_graceful_shutdown=10, access_log=False)
     state_file = write_state(run_dir, url, site)
     wanted = sum(site.initial_replicas(m) for m in site.models)
     threading.Thread(target=announce_when_ready, args=(controller, url, site, wanted, options.ready_timeout),
@@ -138,6 +161,8 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     try:
         server.run(sockets=[listener])
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the drain short
+            signal.signal(sig, lambda *_: console.print("already stopping; waiting for replicas to drain"))
         console.print("[bold]stopping[/]: draining replicas")
         controller.shutdown(drain_timeout=10.0, wait=20.0)
         try:

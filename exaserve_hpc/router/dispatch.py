@@ -126,15 +126,15 @@ class Dispatcher:
         if isinstance(message, RequestError):
             return self._on_replica_error(replica_id, message, now)
         if isinstance(message, ReplicaBye):
-            return self.replica_lost(replica_id, f"replica left ({message.reason})", now)
+            return self.replica_lost(replica_id, f"replica left ({message.reason})", now, expected=True)
         log.warning("unexpected %s from replica %s", type(message).__name__, replica_id)
         return []
 
-    def replica_lost(self, replica_id: str, cause: str, now: float) -> list[Outgoing]:
+    def replica_lost(self, replica_id: str, cause: str, now: float, expected: bool = False) -> list[Outgoing]:
         """Drop a replica from rotation and move its in-flight requests elsewhere."""
         if self.replicas.pop(replica_id, None) is None:
             return []
-        log.warning("replica %s out of rotation: %s", replica_id, cause)
+        log.log(logging.INFO if expected else logging.WARNING, "replica %s out of rotation: %s", replica_id, cause)
         out: list[Outgoing] = []
         for entry in [e for e in self.inflight.values() if e.replica_id == replica_id]:
             out += self._retry(entry, f"replica {replica_id} lost: {cause}", now)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs, then run it. This is the README's
+# test command and what CI runs (.ci/run).
+#   bash tests/run.sh [pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages for the tests that use real components (MPI, ...).
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev)
+missing=()
+for pkg in "${DEBIAN_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "installing Debian packages: ${missing[*]}"
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test,mpi]'
+
+# Under CI=true a test that needs Slurm, MPI or Lmod must run, not skip: conftest.py turns such skips into failures.
+exec .venv/bin/python -m pytest "$@"

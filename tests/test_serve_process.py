@@ -1,0 +1,129 @@
+"""`exaserve serve` as a user runs it: start, ask with the official openai client, status, SIGTERM, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def site_file(tmp_path: Path) -> Path:
+    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
+    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
+    site["run_dir"] = str(tmp_path / "run")
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(site))
+    return path
+
+
+def start_serve(site_file: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    process = subprocess.Popen([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    url_box: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            match = re.search(r"serving .* at (http://\S+)/v1", line)
+            if match:
+                url_box.append(match.group(1))
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 90
+    while not url_box:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("exaserve serve did not become ready:\n" + "".join(lines))
+        time.sleep(0.1)
+    return process, url_box[0], lines
+
+
+def test_serve_answers_then_stops_cleanly_on_sigterm(site_file, tmp_path):
+    process, url, lines = start_serve(site_file)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+        stream = client.chat.completions.create(model="tiny-llama", stream=True, max_tokens=12,
+                                                messages=[{"role": "user", "content": "Hello"}])
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert len("".join(pieces)) > 0
+        completion = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8)
+        assert completion.usage.completion_tokens >= 1
+        assert completion.usage.prompt_tokens == len("Once upon a time".encode()) + 1  # + BOS
+
+        status = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json",
+                                 "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        state = json.loads(status.stdout)
+        assert [a["state"] for a in state["agents"]] == ["alive"]
+        replicas = state["replicas"]
+        assert len(replicas) == 2 and {r["state"] for r in replicas} == {"serving"}
+        pids = [r["pid"] for r in replicas] + [a["pid"] for a in state["agents"]]
+        assert all(pid > 0 and alive(pid) for pid in pids)
+        table = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--url", url],
+                               capture_output=True, text=True, timeout=30)
+        assert "tiny-llama/r0000" in table.stdout and "serving" in table.stdout
+    except BaseException:
+        process.kill()
+        raise
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=45) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)], "child processes outlived exaserve serve"
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as probe:
+        assert probe.connect_ex((host, int(port))) != 0, "the gateway port is still accepting connections"
+    assert not (tmp_path / "run" / "serve.json").exists()
+
+
+def test_serve_refuses_a_busy_port_with_a_clear_error(site_file):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
+                                 "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+
+
+def test_serve_with_a_bad_site_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("site: x\nmodels: []\n")
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(bad)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "models" in result.stderr
