@@ -1,0 +1,90 @@
+"""Gateway-side errors and admission: what the gateway refuses before a request reaches the router.
+
+``ApiError`` is a refusal answered with OpenAI's error body; ``Admission``
+caps requests in flight for the whole gateway and per quota group (429).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+
+from exaserve_hpc import metrics
+from exaserve_hpc.router import openai_api as api
+from exaserve_hpc.router.backend import BackendError
+
+_OVERLOAD_RETRY_AFTER = 1.0  # seconds; a slot frees as soon as any in-flight request ends
+
+
+class ApiError(Exception):
+    """A request the gateway answers with an error status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after: float = 0.0):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+
+def error_response(error: ApiError, request_id: Optional[str] = None) -> JSONResponse:
+    headers = {}
+    if error.retry_after > 0 or error.status in (429, 503):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(api.error_body(error.status, error.message, error.param, error.code), error.status, headers)
+
+
+def from_backend_error(error: BackendError) -> ApiError:
+    return ApiError(error.status, error.message, code=error.code, retry_after=error.retry_after)
+
+
+def internal_error(request_id: str, exc: BaseException) -> ApiError:
+    return ApiError(500, f"internal error while serving request {request_id} ({type(exc).__name__}: {exc}); "
+                    "it has been logged; retry, and report the request id if it persists", code="internal_error")
+
+
+# ------------------------------------------------------------ admission
+
+
+class Admission:
+    """Caps generation requests in flight: for the whole gateway, and per quota group."""
+
+    def __init__(self, max_inflight: int, group_limits: dict[str, int]):
+        self.max_inflight = max_inflight
+        self.group_limits = group_limits
+        self.inflight = 0
+        self.by_group: dict[str, int] = {}
+
+    def admit(self, group: Optional[str]) -> "Ticket":
+        if self.inflight >= self.max_inflight:
+            raise ApiError(429, f"the gateway is at its limit of {self.max_inflight} requests in flight "
+                           "(gateway.max_queued_requests); retry after the Retry-After seconds",
+                           code="overloaded", retry_after=_OVERLOAD_RETRY_AFTER)
+        limit = self.group_limits.get(group) if group else None
+        if limit is not None and self.by_group.get(group, 0) >= limit:
+            raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
+                           "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
+                           retry_after=_OVERLOAD_RETRY_AFTER)
+        self.inflight += 1
+        if group:
+            self.by_group[group] = self.by_group.get(group, 0) + 1
+        metrics.INFLIGHT_REQUESTS.inc()
+        return Ticket(self, group)
+
+
+class Ticket:
+    """One admitted request's slot; ``release`` is idempotent (several paths end a request)."""
+
+    def __init__(self, admission: Admission, group: Optional[str]):
+        self._admission, self._group, self._held = admission, group, True
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        self._admission.inflight -= 1
+        if self._group:
+            self._admission.by_group[self._group] -= 1
+        metrics.INFLIGHT_REQUESTS.dec()
