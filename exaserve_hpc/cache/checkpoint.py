@@ -17,7 +17,8 @@ Call protocol:
   atomically (same spec -> byte-identical files).
 - ``ensure_tiny_checkpoint(dir, spec)`` creates it if absent, else checks it
   is the same model and intact.
-- ``verify_checkpoint(dir)`` hashes every file listed in the manifest.
+- ``verify_checkpoint(dir)`` hashes every file listed in the manifest
+  (manifest code lives in ``manifest.py``; re-exported here).
 - ``load_checkpoint(dir)`` -> (config, weights), hashing the bytes as it
   reads them, so a verified load reads each file once.
 All failures raise ``CheckpointError`` (``ChecksumError`` for a bad hash)
@@ -26,40 +27,31 @@ with the file, the numbers and what to do.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
 
+# Re-exported: callers import the checkpoint API from this module.
+from exaserve_hpc.cache.manifest import (  # noqa: F401
+    MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, ChecksumError, Progress, check_size,
+    fsync_dir, read_bytes, read_manifest, verify_checkpoint, write_manifest, write_synced,
+)
+
 FORMAT = "exaserve-llama-v1"
-MANIFEST_FORMAT = "exaserve-manifest-v1"
 CONFIG_FILE = "config.json"
-MANIFEST_FILE = "manifest.json"
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 DTYPES = ("float32", "float16")
-_CHUNK = 8 << 20
 _ARCH_INT_FIELDS = ("layers", "hidden", "heads", "kv_heads", "intermediate",
                     "vocab_size", "max_position")
 # Byte-tokenizer ids (kept literal so the cache package needs no engine import).
 _BOS, _EOS, _PAD, _BYTE_VOCAB = 256, 257, 258, 259
-
-Progress = Callable[[int, int], None]
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, malformed or not the one expected."""
-
-
-class ChecksumError(CheckpointError):
-    """A file's bytes do not match the sha256/md5 recorded in the manifest."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +243,7 @@ def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
     try:
         total, done = sum(map(len, blobs.values())), 0
         for name, data in blobs.items():
-            _write_synced(tmp / name, data)
+            write_synced(tmp / name, data)
             done += len(data)
             if progress:
                 progress(done, total)
@@ -262,7 +254,7 @@ def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
         except OSError as e:
             raise CheckpointError(f"{target} appeared while creating it ({e}); "
                                   "another process may have created it") from e
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -286,7 +278,7 @@ def ensure_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
     # Verify first, so a corrupt config.json reads as corruption, not as another model.
     verify_checkpoint(target, progress)
     try:
-        config = json.loads(_read_bytes(target, CONFIG_FILE, None))
+        config = json.loads(read_bytes(target, CONFIG_FILE, None))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{target / CONFIG_FILE} is not valid JSON ({e})") from e
     want = spec_config(spec)
@@ -298,124 +290,6 @@ def ensure_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
             "at another directory or remove this one"
         )
     return target
-
-
-# ---------------------------------------------------------------- manifest
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _digests(path: Path) -> dict:
-    sha, md5, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-            md5.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": sha.hexdigest(), "md5": md5.hexdigest()}
-
-
-def write_manifest(directory: str | os.PathLike) -> Path:
-    """Record size, sha256 and md5 of every file under ``directory`` (but itself)."""
-    root = Path(directory)
-    files = {
-        p.relative_to(root).as_posix(): _digests(p)
-        for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE
-    }
-    manifest = {"format": MANIFEST_FORMAT, "files": files}
-    path = root / MANIFEST_FILE
-    _write_synced(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
-    return path
-
-
-def _read_manifest(root: Path) -> dict[str, dict]:
-    path = root / MANIFEST_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} is missing, so the checkpoint cannot be verified; it may be an "
-            "interrupted copy. Re-copy it, re-create it with `exaserve model create-tiny "
-            f"{root}`, or run write_manifest on a directory you trust"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        for name in files:  # a manifest must not make us hash files outside the checkpoint
-            if Path(name).is_absolute() or ".." in Path(name).parts:
-                raise ValueError(f"entry {name!r} points outside the checkpoint directory")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is not a valid manifest ({e}); re-create it") from e
-    return files
-
-
-def _check_size(root: Path, name: str, entry: dict | None) -> int:
-    path = root / name
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} is missing from the checkpoint; re-copy the checkpoint or "
-            f"re-create it with `exaserve model create-tiny {root}`"
-        )
-    size = path.stat().st_size
-    if entry is not None and size != entry["size"]:
-        raise CheckpointError(
-            f"{path} is {size} bytes, the manifest says {entry['size']}; the file is "
-            "truncated or replaced. Re-copy it or re-create the checkpoint"
-        )
-    return size
-
-
-def _read_bytes(root: Path, name: str, entry: dict | None,
-                on_bytes: Callable[[int], None] | None = None) -> bytes:
-    """Read one file; when ``entry`` is given, hash as we read and compare."""
-    _check_size(root, name, entry)
-    sha, md5, chunks = hashlib.sha256(), hashlib.md5(usedforsecurity=False), []
-    with open(root / name, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            if entry is not None:
-                sha.update(chunk)
-                md5.update(chunk)
-            chunks.append(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
-    if entry is not None:
-        _compare(root / name, entry, sha.hexdigest(), md5.hexdigest())
-    return b"".join(chunks)
-
-
-def _compare(path: Path, entry: dict, sha256: str, md5: str) -> None:
-    if sha256 != entry["sha256"] or md5 != entry["md5"]:
-        raise ChecksumError(
-            f"{path} is corrupt: sha256 expected {entry['sha256']}, actual {sha256}; "
-            f"md5 expected {entry['md5']}, actual {md5}. Re-copy the file from the "
-            f"shared store or re-create the checkpoint with `exaserve model create-tiny {path.parent}`"
-        )
-
-
-def verify_checkpoint(directory: str | os.PathLike, progress: Progress | None = None) -> None:
-    """Hash every file the manifest lists; raise CheckpointError/ChecksumError."""
-    root = Path(directory)
-    files = _read_manifest(root)
-    total = sum(_check_size(root, name, entry) for name, entry in files.items())
-    done = 0
-    for name, entry in files.items():
-        actual = _digests(root / name)
-        _compare(root / name, entry, actual["sha256"], actual["md5"])
-        done += actual["size"]
-        if progress:
-            progress(done, total)
 
 
 # ---------------------------------------------------------------- loading
@@ -454,11 +328,11 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True,
             f"checkpoint directory {root} does not exist; create one with "
             f"`exaserve model create-tiny {root}` or fix the model path"
         )
-    entries = _read_manifest(root) if verify else None
+    entries = read_manifest(root) if verify else None
     names = list(entries) if entries is not None else [p.name for p in root.iterdir()]
     shards = _shard_files(root, names)
     files = [CONFIG_FILE, *shards]
-    total = sum(_check_size(root, n, entries.get(n) if entries else None) for n in files)
+    total = sum(check_size(root, n, entries.get(n) if entries else None) for n in files)
     done = 0
 
     def on_bytes(n: int) -> None:
@@ -470,7 +344,7 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True,
     def read(name: str) -> bytes:
         if entries is not None and name not in entries:
             raise CheckpointError(f"{root / name} is not listed in the manifest; re-create it")
-        return _read_bytes(root, name, entries[name] if entries else None, on_bytes)
+        return read_bytes(root, name, entries[name] if entries else None, on_bytes)
 
     try:
         config = validate_config(json.loads(read(CONFIG_FILE)))

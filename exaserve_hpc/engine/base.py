@@ -89,7 +89,11 @@ class Engine(Protocol):
 
     def stats(self) -> dict:
         """queue_depth (waiting), running, tokens_generated (total),
-        requests_finished, prefill_tokens (total), plus engine extras."""
+        requests_finished, prefill_tokens (total), kv_used (fraction of the
+        KV pool in use), plus engine extras. The paged engines
+        (``continuous.py``) add kv_blocks_used / kv_blocks_total /
+        kv_blocks_cached, prefix_hit_tokens, preemptions, batch_size_hist,
+        ttft_ms and tpot_ms (mean / p50 / p99)."""
         ...
 
     def warmup(self) -> None: ...

@@ -107,3 +107,48 @@ class SequenceKV:
         keys = pk[:, used].reshape(shape)[:, :end].astype(np.float32)
         values = pv[:, used].reshape(shape)[:, :end].astype(np.float32)
         return keys, values
+
+
+class DecodeBatchKV(list):
+    """The views of a decode batch (one new token per sequence), with a batched
+    path: ``append_decode`` writes every sequence's token and gathers all
+    their K/V padded to the longest, so attention is one matmul for the batch
+    instead of one per sequence. Used by the model only when ``padded()``
+    (the padding costs at most as much as the useful tokens)."""
+
+    def __init__(self, views: list[SequenceKV]) -> None:
+        super().__init__(views)
+        pool = views[0]._pool
+        assert all(v._pool is pool for v in views)
+        self._pool = pool
+        bs = pool.block_size
+        starts = np.array([v.num_tokens for v in views])
+        self.lengths = starts + 1
+        nblocks = -(-self.lengths // bs)
+        self._tables = np.zeros((len(views), int(nblocks.max())), np.intp)
+        for row, (v, n) in enumerate(zip(views, nblocks)):
+            if len(v._table) < n:
+                raise ValueError(f"paged KV cache: sequence {row} holds {starts[row]} tokens and "
+                                 f"its {len(v._table)} blocks have no room for one more")
+            self._tables[row, :n] = v._table[:n]
+        self._blocks = self._tables[np.arange(len(views)), starts // bs]
+        self._offsets = starts % bs
+
+    def padded(self) -> bool:
+        return self._tables.size * self._pool.block_size <= 2 * int(self.lengths.sum())
+
+    def append_decode(self, layer: int, k: np.ndarray, v: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Write k, v [B, kv_heads, head_dim]; return keys, values
+        [B, kv_heads, L, head_dim] float32 (L = longest, padded; positions
+        >= ``self.lengths[b]`` are padding)."""
+        pk, pv = self._pool.k[layer], self._pool.v[layer]
+        pk[:, self._blocks, self._offsets] = self._pool.encode(k.transpose(1, 0, 2))
+        pv[:, self._blocks, self._offsets] = self._pool.encode(v.transpose(1, 0, 2))
+        for view in self:
+            view._len[layer] += 1
+        kv_heads, _, bs, hd = pk.shape
+        b, nb = self._tables.shape
+        keys = pk[:, self._tables].transpose(1, 0, 2, 3, 4).reshape(b, kv_heads, nb * bs, hd)
+        values = pv[:, self._tables].transpose(1, 0, 2, 3, 4).reshape(b, kv_heads, nb * bs, hd)
+        return keys.astype(np.float32), values.astype(np.float32)

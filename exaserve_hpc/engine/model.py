@@ -15,10 +15,12 @@ Call protocol:
   ragged pass (their tokens are concatenated; projections and MLP run as one
   matmul, attention per sequence).
 
-Seams for later work: all KV access goes through ``KVCache.append``, so a
-paged block cache only has to provide the same method; tensor parallelism
-splits ``LayerWeights.wqkv``/``w_gate_up`` by columns and ``wo``/``w_down``
-by rows (whole heads per shard) and adds an all-reduce after those two.
+Seams: all KV access goes through ``cache.append`` (``KVCache`` here, the
+paged ``kv_cache.SequenceKV`` in the engine). ``_forward`` is
+``prepare`` -> ``run_layers`` -> ``logits``, so a pipeline stage runs only
+its layers; tensor parallelism (``parallel.py``) splits
+``LayerWeights.wqkv``/``w_gate_up`` by columns and ``wo``/``w_down`` by rows
+(whole heads per shard) and sets ``reduce`` to an all-reduce.
 """
 
 from __future__ import annotations
@@ -75,6 +77,17 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class RaggedBatch:
+    """Token layout of one forward pass over several sequences."""
+
+    flat: np.ndarray       # [tokens] ids, chunk after chunk
+    offsets: np.ndarray    # [B + 1] chunk b is flat[offsets[b]:offsets[b + 1]]
+    starts: list[int]      # K/V tokens each sequence held before this pass
+    cos: np.ndarray        # [tokens, head_dim // 2] RoPE tables at each token's position
+    sin: np.ndarray
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer, transposed to [in, out] and fused for fewer matmuls."""
 
@@ -119,16 +132,38 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -
     group = heads // kv_heads
     # [kv_heads, group*T, hd]: the group's query heads share one K/V matmul.
     qg = q.transpose(1, 0, 2).reshape(kv_heads, group * t, hd)
-    scores = (qg @ keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))
-    if t > 1:  # decode (t == 1) sees all keys; prefill needs the causal mask
-        scores = scores.reshape(kv_heads, group, t, s)
-        future = np.arange(s)[None, :] > (start + np.arange(t))[:, None]
-        scores = np.where(future, np.float32(-np.inf), scores).reshape(kv_heads, group * t, s)
+    scores = qg @ keys.transpose(0, 2, 1)
+    scores *= np.float32(1.0 / np.sqrt(hd))
+    if t > 1:  # decode (t == 1) sees all keys; prefill masks the future among its own T
+        tail = scores.reshape(kv_heads, group, t, s)[..., start:start + t]
+        tail += np.triu(np.full((t, t), -np.inf, np.float32), 1)
+    # Softmax in place: these arrays are the largest of a long prefill.
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out = probs @ values  # [kv_heads, group*T, hd]
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ values  # [kv_heads, group*T, hd]
     return out.reshape(heads, t, hd).transpose(1, 0, 2)
+
+
+def decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                     lengths: np.ndarray) -> np.ndarray:
+    """Attention of one new token per sequence over padded K/V.
+
+    q [B, heads, hd]; keys, values [B, kv_heads, L, hd] where sequence b's
+    first ``lengths[b]`` positions are real (its new token last) and the rest
+    padding. Returns [B, heads, hd]; same GQA mapping as ``attention``.
+    """
+    b, heads, hd = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    qg = q.reshape(b, kv_heads, heads // kv_heads, hd)
+    scores = qg @ keys.transpose(0, 1, 3, 2)          # [B, kv_heads, group, L]
+    scores *= np.float32(1.0 / np.sqrt(hd))
+    pad = np.arange(length)[None, :] >= lengths[:, None]
+    scores += np.where(pad, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return (scores @ values).reshape(b, heads, hd)
 
 
 class LlamaModel:
@@ -192,9 +227,19 @@ class LlamaModel:
         logits [B, vocab]."""
         return self._forward([[tok] for tok, _ in batch], [c for _, c in batch])
 
+    def decode_tokens(self, tokens: Sequence[int], caches: Sequence) -> np.ndarray:
+        """``decode`` with the caches as one sequence; a ``kv_cache.DecodeBatchKV``
+        there enables batched attention (one padded matmul for the batch)."""
+        return self._forward([[t] for t in tokens], caches)
+
     def _forward(self, chunks: list[list[int]], caches: list[KVCache]) -> np.ndarray:
         """Tokens of all chunks concatenated, run through every layer; returns
         logits of each chunk's last token."""
+        batch = self.prepare(chunks, caches)
+        return self.logits(self.run_layers(self.embed[batch.flat], batch, caches), batch)
+
+    def prepare(self, chunks: list[list[int]], caches: list[KVCache]) -> RaggedBatch:
+        """Validate a ragged batch and lay out its positions."""
         lengths = [len(c) for c in chunks]
         offsets = np.cumsum([0] + lengths)
         starts = [cache.num_tokens for cache in caches]
@@ -208,27 +253,48 @@ class LlamaModel:
             bad = flat[(flat < 0) | (flat >= self.vocab_size)][0]
             raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        cos, sin = self.cos[positions], self.sin[positions]
+        return RaggedBatch(flat, offsets, starts, self.cos[positions], self.sin[positions])
+
+    def run_layers(self, x: np.ndarray, batch: RaggedBatch, caches: list[KVCache]) -> np.ndarray:
+        """Hidden states [tokens, hidden] through this model's layers. ``reduce``
+        (tensor parallelism) sums the partial outputs of wo and w_down across
+        the shards; cache layer ``i`` belongs to ``self.layers[i]``."""
         q_width = self.heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
-        x = self.embed[flat]
+        cos, sin, offsets = batch.cos, batch.sin, batch.offsets
+        # A paged decode batch (kv_cache.DecodeBatchKV) may take the batched path.
+        batched = hasattr(caches, "append_decode") and len(batch.flat) == len(caches) \
+            and caches.padded()
         for index, lw in enumerate(self.layers):
             qkv = rms_norm(x, lw.attn_norm, self.eps) @ lw.wqkv
             q = apply_rope(qkv[:, :q_width].reshape(-1, self.heads, self.head_dim), cos, sin)
             k = apply_rope(qkv[:, q_width:q_width + kv_width].reshape(-1, self.kv_heads, self.head_dim),
                            cos, sin)
             v = qkv[:, q_width + kv_width:].reshape(-1, self.kv_heads, self.head_dim)
-            out = np.empty_like(q)
-            for b, cache in enumerate(caches):  # attention is per sequence (ragged)
-                lo, hi = offsets[b], offsets[b + 1]
-                keys, values = cache.append(index, k[lo:hi], v[lo:hi])
-                out[lo:hi] = attention(q[lo:hi], keys, values, starts[b])
-            x = x + out.reshape(-1, q_width) @ lw.wo
+            if batched:  # one token per sequence: attention as one padded matmul
+                keys, values = caches.append_decode(index, k, v)
+                out = decode_attention(q, keys, values, caches.lengths)
+            else:
+                out = np.empty_like(q)
+                for b, cache in enumerate(caches):  # attention is per sequence (ragged)
+                    lo, hi = offsets[b], offsets[b + 1]
+                    keys, values = cache.append(index, k[lo:hi], v[lo:hi])
+                    out[lo:hi] = attention(q[lo:hi], keys, values, batch.starts[b])
+            x = x + self.reduce(out.reshape(-1, q_width) @ lw.wo)
             gate_up = rms_norm(x, lw.mlp_norm, self.eps) @ lw.w_gate_up
             gate, up = np.split(gate_up, 2, axis=-1)
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ lw.w_down  # SwiGLU
-        last = rms_norm(x[offsets[1:] - 1], self.norm, self.eps)
+            x = x + self.reduce((gate / (1.0 + np.exp(-gate)) * up) @ lw.w_down)  # SwiGLU
+        return x
+
+    def logits(self, x: np.ndarray, batch: RaggedBatch) -> np.ndarray:
+        """Logits [B, vocab] of each chunk's last token."""
+        last = rms_norm(x[batch.offsets[1:] - 1], self.norm, self.eps)
         logits = last @ self.lm_head
         if self.lm_head_bias is not None:
             logits += self.lm_head_bias
         return logits
+
+    @staticmethod
+    def reduce(partial: np.ndarray) -> np.ndarray:
+        """Identity on one shard; ``parallel.py`` replaces it with an all-reduce."""
+        return partial

@@ -25,7 +25,7 @@ import numpy as np
 from exaserve_hpc.cache.checkpoint import Progress, load_checkpoint
 from exaserve_hpc.engine.base import EngineError
 from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
-from exaserve_hpc.engine.kv_cache import PagedKVCache, kv_dtype
+from exaserve_hpc.engine.kv_cache import DecodeBatchKV, PagedKVCache, kv_dtype
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.sampling import sample
 from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
@@ -86,9 +86,9 @@ class ReferenceEngine(ContinuousBatchingEngine):
                     tokens[seq] = self._sample(seq, row)
         for lo in range(0, len(batch.decodes), self.decode_batch_size):
             group = batch.decodes[lo:lo + self.decode_batch_size]
-            logits = self.model.decode([(s.token_ids[-1],
-                                         self.kv.view(s.block_table, s.num_computed_tokens))
-                                        for s in group])
+            views = DecodeBatchKV([self.kv.view(s.block_table, s.num_computed_tokens)
+                                   for s in group])
+            logits = self.model.decode_tokens([s.token_ids[-1] for s in group], views)
             for seq, row in zip(group, logits):
                 tokens[seq] = self._sample(seq, row)
         return tokens

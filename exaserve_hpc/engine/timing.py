@@ -7,11 +7,13 @@ KV events, stats), but a step computes no logits: it takes
 
     step_s = step_overhead_s
            + prefill_per_token_s  * uncached prompt tokens computed this step
+           + prefill_per_pair_s   * (query, key) pairs of those tokens' attention
            + decode_per_seq_s     * sequences decoding this step
            + kv_read_per_token_s  * K/V tokens the decoding sequences attend to
 
 and the tokens it emits are a fixed filler (requests end at max_tokens).
-Constants per GPU kind are in ``GPU_TIMINGS``; pass ``timings=`` for your
+Constants per GPU kind are in ``GPU_TIMINGS`` (keys match the site
+config's ``cluster.gpu_kind``, e.g. ``a100-80gb``); pass ``timings=`` for your
 own (``benchmarks/calibrate_timing.py`` fits them to a real engine).
 
 Virtual time: the clock is injectable. ``step()`` starts a batch and returns
@@ -36,6 +38,25 @@ FILLER = b"exaserve timing model output. "
 
 
 @dataclass(frozen=True)
+class StepSample:
+    """The work of one step (and, measured on a real engine, its seconds)."""
+
+    prefill_tokens: int
+    prefill_pairs: int           # causal (query, key) pairs of the prefill chunks
+    decode_seqs: int
+    decode_context_tokens: int   # sum over decoding sequences of the K/V tokens attended
+    seconds: float = 0.0
+
+
+def step_sample(batch: ScheduledBatch) -> StepSample:
+    """The work of a scheduled batch (before it ran: num_computed_tokens is
+    where each chunk starts)."""
+    pairs = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in batch.prefills)
+    context = sum(s.num_computed_tokens + 1 for s in batch.decodes)
+    return StepSample(batch.prefill_tokens, pairs, len(batch.decodes), context)
+
+
+@dataclass(frozen=True)
 class GpuTimings:
     """Seconds per unit of work for one model on one GPU kind."""
 
@@ -43,28 +64,58 @@ class GpuTimings:
     prefill_per_token_s: float   # per uncached prompt token (compute bound)
     decode_per_seq_s: float      # per decoding sequence
     kv_read_per_token_s: float   # per cached K/V token a decode attends to (bandwidth)
+    prefill_per_pair_s: float = 0.0   # per causal (query, key) pair in prefill attention
     kv_bytes_per_token: int = 131072  # fp16 K+V of one token, all layers
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
-        context = sum(s.num_computed_tokens + 1 for s in batch.decodes)
-        return (self.step_overhead_s + self.prefill_per_token_s * batch.prefill_tokens
-                + self.decode_per_seq_s * len(batch.decodes)
-                + self.kv_read_per_token_s * context)
+        return self.seconds(step_sample(batch))
+
+    def seconds(self, work: StepSample) -> float:
+        return (self.step_overhead_s + self.prefill_per_token_s * work.prefill_tokens
+                + self.prefill_per_pair_s * work.prefill_pairs
+                + self.decode_per_seq_s * work.decode_seqs
+                + self.kv_read_per_token_s * work.decode_context_tokens)
 
 
 # Roofline estimates for a Llama-3-8B-class model in fp16 on one GPU (weights
-# 16 GB read per step; 2 * 8e9 flop per prompt token; K/V 128 KiB per token),
-# to be replaced by calibrated figures where a machine has been measured.
+# 16 GB read per step; 2 * 8e9 flop per prompt token; 4 * 32 * 4096 flop per
+# attention pair; K/V 128 KiB per token) at about half of peak, to be replaced
+# by calibrated figures where a machine has been measured.
 # "reference-cpu": fitted by benchmarks/calibrate_timing.py to the numpy
-# reference engine and the 2-layer tiny model on a 2-core CI box.
+# reference engine with the default 2-layer tiny model on a shared 2-core box,
+# one BLAS thread (median error 4.5% over 18 measured steps).
 GPU_TIMINGS: dict[str, GpuTimings] = {
-    "a100-80gb": GpuTimings(8.0e-3, 6.4e-5, 2.0e-5, 6.4e-8),
-    "h100-sxm": GpuTimings(4.8e-3, 2.7e-5, 1.5e-5, 3.8e-8),
-    "h200": GpuTimings(3.3e-3, 2.7e-5, 1.5e-5, 2.7e-8),
-    "gh200": GpuTimings(3.5e-3, 2.7e-5, 1.5e-5, 2.8e-8),
-    "mi250x-gcd": GpuTimings(10.0e-3, 8.4e-5, 3.0e-5, 8.0e-8),
-    "reference-cpu": GpuTimings(1.0e-4, 2.0e-5, 3.0e-5, 2.0e-8, kv_bytes_per_token=256),
+    "a100-80gb": GpuTimings(8.0e-3, 6.4e-5, 2.0e-5, 6.4e-8, prefill_per_pair_s=2.1e-12),
+    "h100-sxm": GpuTimings(4.8e-3, 2.7e-5, 1.5e-5, 3.8e-8, prefill_per_pair_s=8.7e-13),
+    "h200": GpuTimings(3.3e-3, 2.7e-5, 1.5e-5, 2.7e-8, prefill_per_pair_s=8.7e-13),
+    "gh200": GpuTimings(3.5e-3, 2.7e-5, 1.5e-5, 2.8e-8, prefill_per_pair_s=8.7e-13),
+    "mi250x-gcd": GpuTimings(10.0e-3, 8.4e-5, 3.0e-5, 8.0e-8, prefill_per_pair_s=3.5e-12),
+    "reference-cpu": GpuTimings(1.65e-4, 3.9e-6, 1.5e-5, 2.4e-7, prefill_per_pair_s=4.0e-8,
+                                kv_bytes_per_token=256),
 }
+
+
+def fit_timings(samples: list[StepSample], kv_bytes_per_token: int) -> GpuTimings:
+    """Least-squares fit of the five constants to measured steps, in
+    relative error (a 1 ms step counts as much as a 1 s one); a constant the
+    data drive negative is clamped to 0 and the rest refitted."""
+    import numpy as np
+
+    y = np.array([s.seconds for s in samples])
+    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.decode_context_tokens,
+                   s.prefill_pairs] for s in samples]) / y[:, None]
+    y = np.ones_like(y)
+    keep = list(range(5))
+    while True:
+        coef = np.zeros(5)
+        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        negative = [i for i in keep if coef[i] < 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    overhead, per_token, per_seq, kv_read, per_pair = (float(c) for c in coef)
+    return GpuTimings(overhead, per_token, per_seq, kv_read, per_pair,
+                      kv_bytes_per_token=kv_bytes_per_token)
 
 
 def timings_for(gpu_kind: str) -> GpuTimings:
@@ -140,7 +191,7 @@ class TimingEngine(ContinuousBatchingEngine):
         self._check_open()
         t = self.timings
         if min(t.step_overhead_s, t.prefill_per_token_s, t.decode_per_seq_s,
-               t.kv_read_per_token_s) < 0:
+               t.kv_read_per_token_s, t.prefill_per_pair_s) < 0:
             raise ValueError(f"timing constants must be >= 0, got {t}")
 
     def stats(self) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.base import EngineRequest
-from exaserve_hpc.engine.kv_cache import PagedKVCache
+from exaserve_hpc.engine.kv_cache import DecodeBatchKV, PagedKVCache
 from exaserve_hpc.engine.reference import ReferenceEngine
 from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
@@ -104,13 +104,16 @@ def test_chunked_prefill_interleaves_and_keeps_greedy_output(make):
         engine = make(chunked_prefill=chunked, prefill_chunk_tokens=32, kv_cache_dtype="fp32")
         engine.add_request(long)
         engine.add_request(short)
-        first_step = {}
+        first_step, last_step = {}, {}
         for step in range(200):
             for out in engine.step():
                 first_step.setdefault(out.request_id, step)
+                last_step[out.request_id] = step
             if not engine.has_unfinished():
                 break
         results[chunked] = first_step
+        if chunked:  # the short one decoded all 8 tokens while the long one prefilled
+            assert last_step["short"] == 7 < first_step["long"]
         assert engine.stats()["prefill_tokens"] == len(long.prompt_token_ids) + 3
     # Chunked: the long prompt takes ceil(310 / 32) = 10 steps; the short one answers at once.
     assert results[True] == {"short": 0, "long": 9}
@@ -191,3 +194,38 @@ def test_stats_report_batches_latency_and_blocks(make):
     assert stats["ttft_ms"]["count"] == 6
     assert stats["ttft_ms"]["p99"] > stats["ttft_ms"]["p50"]  # two waited for a free slot
     assert stats["kv_blocks_total"] == 4 * 512 // 16 and stats["kv_cache_dtype"] == "fp16"
+
+
+def test_batched_decode_attention_equals_per_sequence(make):
+    model = make().model
+    prompts = [list(range(1, 1 + n)) for n in (30, 40, 20)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    results = {}
+    for mode in ("per-sequence", "batched", "too ragged"):
+        pool = PagedKVCache(model.num_layers, model.kv_heads, model.head_dim, 12, 16, "fp32")
+        counts = [len(p) for p in prompts]
+        for ids, table in zip(prompts, tables):
+            model.prefill(ids, pool.view(table, 0))
+        rows, tokens = [], [65, 66, 67]
+        for _ in range(3):
+            views = [pool.view(t, c) for t, c in zip(tables, counts)]
+            if mode == "per-sequence":
+                logits = model.decode(list(zip(tokens, views)))
+            else:
+                batch = DecodeBatchKV(views)
+                if mode == "too ragged":  # padding would exceed the useful tokens: per sequence
+                    batch.padded = lambda: False
+                else:
+                    assert batch.padded()
+                logits = model.decode_tokens(tokens, batch)
+            rows.append(logits)
+            counts = [c + 1 for c in counts]
+            tokens = [int(t) for t in logits.argmax(axis=1)]
+        results[mode] = np.stack(rows)
+    np.testing.assert_allclose(results["batched"], results["per-sequence"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(results["too ragged"], results["per-sequence"])
+    with pytest.raises(ValueError, match="have no room for one more"):
+        DecodeBatchKV([PagedKVCache(1, 1, 8, 4, 4).view([0], 4)])
+    pool = PagedKVCache(1, 1, 8, 40, 4)
+    lopsided = DecodeBatchKV([pool.view([i], 1) for i in range(3)] + [pool.view(range(3, 40), 140)])
+    assert not lopsided.padded()  # 4 x 37 blocks of 4 for 147 tokens: the model goes per sequence

@@ -3,11 +3,13 @@
 import heapq
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.base import Engine, EngineRequest
 from exaserve_hpc.engine.reference import ReferenceEngine
-from exaserve_hpc.engine.timing import GPU_TIMINGS, GpuTimings, TimingEngine
+from exaserve_hpc.engine.timing import GPU_TIMINGS, GpuTimings, StepSample, TimingEngine, fit_timings
 
 SIMPLE = GpuTimings(step_overhead_s=1e-3, prefill_per_token_s=1e-4, decode_per_seq_s=2e-3,
                     kv_read_per_token_s=0.0, kv_bytes_per_token=1000)
@@ -115,6 +117,7 @@ def test_a_thousand_engines_under_one_virtual_clock():
     # The longest prompt (200 tokens) bounds the makespan: prefill + 7 decode steps.
     t = GPU_TIMINGS["h100-sxm"]
     assert clock.t == pytest.approx(t.step_overhead_s * 8 + t.prefill_per_token_s * 200
+                                    + t.prefill_per_pair_s * (200 * 201 // 2)
                                     + t.decode_per_seq_s * 7
                                     + t.kv_read_per_token_s * sum(range(201, 208)), rel=1e-9)
 
@@ -127,3 +130,61 @@ def test_gpu_table_and_fp8():
     assert fp8.stats()["kv_bytes_per_token"] * 2 == fp16.stats()["kv_bytes_per_token"]
     assert fp8.timings.kv_read_per_token_s * 2 == fp16.timings.kv_read_per_token_s
     assert fp16.stats()["gpu_kind"] == "h200"
+
+
+def test_fit_recovers_known_constants():
+    true = GpuTimings(2e-3, 3e-5, 1e-4, 2e-8, prefill_per_pair_s=1e-9, kv_bytes_per_token=64)
+    work = [StepSample(n, n * (n + 1) // 2, 0, 0) for n in (64, 256, 1024, 4096)] + \
+        [StepSample(0, 0, b, b * c) for b in (1, 8, 64) for c in (100, 2000)]
+    samples = [StepSample(w.prefill_tokens, w.prefill_pairs, w.decode_seqs,
+                          w.decode_context_tokens, seconds=true.seconds(w)) for w in work]
+    fit = fit_timings(samples, kv_bytes_per_token=64)
+    for name in ("step_overhead_s", "prefill_per_token_s", "decode_per_seq_s",
+                 "kv_read_per_token_s", "prefill_per_pair_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+    # Noise that would make a constant negative clamps it to zero instead.
+    flat = [StepSample(0, 0, b, b * 10, seconds=1e-3) for b in (1, 2, 4, 8)]
+    assert min(vars(fit_timings(flat, 64)).values()) >= 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 3),
+                          st.booleans()), min_size=1, max_size=12),
+       st.integers(6, 20), st.sampled_from([2, 4, 8]), st.booleans())
+def test_random_workloads_on_a_tiny_pool_never_wedge(reqs, num_blocks, block_size, chunked):
+    """Scheduler + block manager under pressure: every request ends exactly
+    once, with max_tokens or an abort, and the pool ends empty and consistent."""
+    clock = Clock()
+    engine = TimingEngine(timings=SIMPLE, clock=clock, max_wait_ms=0, max_seq_len=512,
+                          block_size=block_size, num_kv_blocks=num_blocks, max_batch_size=4,
+                          prefill_batch_size=2, chunked_prefill=chunked, prefill_chunk_tokens=16)
+    expected = {}
+    for i, (prompt, max_tokens, family, abort) in enumerate(reqs):
+        req = EngineRequest(f"r{i}", [family] * 5 + list(range(prompt)), max_tokens,
+                            stop_token_ids=())
+        try:
+            engine.add_request(req)
+        except ValueError as e:
+            assert "KV blocks" in str(e)
+            continue
+        expected[req.request_id] = (max_tokens, abort)
+    final = {}
+    for step in range(20_000):
+        if not engine.has_unfinished():
+            break
+        if step == 3:
+            for rid, (_, abort) in expected.items():
+                if abort:
+                    engine.abort(rid)
+        clock.t = engine.next_event_time() or clock.t
+        for out in engine.step():
+            assert out.request_id not in final
+            if out.finished:
+                final[out.request_id] = out
+        engine.blocks.check_invariants()
+    assert set(final) == set(expected)
+    for rid, out in final.items():
+        max_tokens, abort = expected[rid]
+        assert out.finish_reason == "length" and out.completion_tokens == max_tokens or \
+            abort and out.finish_reason == "abort"
+    assert engine.stats()["kv_blocks_used"] == 0
