@@ -3,13 +3,23 @@
 A policy sees only `ReplicaLoad` values (no sockets, no clock) and returns a
 replica id or None when no candidate can take the request. The router keeps
 the snapshot current from replica stats and its own outstanding counts.
+
+Call protocol: ``choose(candidates, exclude, key)``. ``candidates`` is a
+`ReplicaPool` (the router's per-model registry: O(1) random access and
+running sums, so a choice never costs work proportional to the fleet) or a
+plain list in tests; ``exclude`` is any container of replica ids that must
+not be chosen (tried already, draining, breaker open); ``key`` is the
+request's `RoutingKey` (prompt block hashes) or None. Policies that keep
+state about replicas (the prefix index) also get ``forget(replica_id)`` when
+a replica leaves and ``on_kv_events(replica_id, events)`` from its engine.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Container, Iterator, Optional, Sequence
 
 
 @dataclass
@@ -21,6 +31,7 @@ class ReplicaLoad:
     queue_depth: int = 0  # as last reported by the replica
     kv_used: float = 0.0
     latency_ewma_ms: float = 0.0
+    prefill_tokens: int = 0  # router-side estimate: uncached prompt tokens sent and not yet past first token
 
     @property
     def load(self) -> float:
@@ -28,33 +39,112 @@ class ReplicaLoad:
         return max(self.outstanding, self.queue_depth) / max(1, self.max_batch_size)
 
 
-class BalancingPolicy(Protocol):
-    name: str
+@dataclass
+class RoutingKey:
+    """What a prefix-aware policy knows of a request's prompt."""
 
-    def choose(self, candidates: list[ReplicaLoad], exclude: frozenset[str] = frozenset()) -> Optional[str]:
-        ...
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks, in order
+    prompt_tokens: int
+    block_size: int
 
 
-class RoundRobin:
+class ReplicaPool:
+    """The replicas of one model: random access, O(1) add/remove, running latency sum."""
+
+    def __init__(self) -> None:
+        self._items: list[ReplicaLoad] = []
+        self._pos: dict[str, int] = {}
+        self.latency_sum_ms = 0.0
+
+    def add(self, load: ReplicaLoad) -> None:
+        if load.replica_id in self._pos:
+            self.remove(load.replica_id)
+        self._pos[load.replica_id] = len(self._items)
+        self._items.append(load)
+        self.latency_sum_ms += load.latency_ewma_ms
+
+    def remove(self, replica_id: str) -> None:
+        index = self._pos.pop(replica_id, None)
+        if index is None:
+            return
+        gone, last = self._items[index], self._items.pop()
+        self.latency_sum_ms -= gone.latency_ewma_ms
+        if last is not gone:
+            self._items[index] = last
+            self._pos[last.replica_id] = index
+
+    def set_latency(self, load: ReplicaLoad, latency_ms: float) -> None:
+        if load.replica_id in self._pos:
+            self.latency_sum_ms += latency_ms - load.latency_ewma_ms
+        load.latency_ewma_ms = latency_ms
+
+    def get(self, replica_id: str) -> Optional[ReplicaLoad]:
+        index = self._pos.get(replica_id)
+        return None if index is None else self._items[index]
+
+    @property
+    def mean_latency_ms(self) -> float:
+        return self.latency_sum_ms / len(self._items) if self._items else 0.0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> ReplicaLoad:
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[ReplicaLoad]:
+        return iter(self._items)
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._pos
+
+
+def mean_latency_ms(candidates: Sequence[ReplicaLoad]) -> float:
+    if isinstance(candidates, ReplicaPool):
+        return candidates.mean_latency_ms
+    return sum(c.latency_ewma_ms for c in candidates) / len(candidates) if candidates else 0.0
+
+
+class PolicyBase:
+    """No-op hooks for policies that keep no per-replica state."""
+
+    name = "base"
+    uses_prefix = False  # True: the dispatcher hashes prompts into a RoutingKey for it
+
+    def forget(self, replica_id: str) -> None:
+        pass
+
+    def on_kv_events(self, replica_id: str, events: list) -> None:
+        pass
+
+
+class RoundRobin(PolicyBase):
     name = "round_robin"
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: list[ReplicaLoad], exclude: frozenset[str] = frozenset()) -> Optional[str]:
-        usable = [c for c in candidates if c.replica_id not in exclude]
-        if not usable:
-            return None
-        usable.sort(key=lambda c: c.replica_id)
-        return usable[next(self._counter) % len(usable)].replica_id
+    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+               key: Optional[RoutingKey] = None) -> Optional[str]:
+        n = len(candidates)
+        start = next(self._counter)
+        for i in range(n):  # first usable one from the cursor: O(1) unless many are excluded
+            c = candidates[(start + i) % n]
+            if c.replica_id not in exclude:
+                return c.replica_id
+        return None
 
 
-class LeastLoad:
-    """Lowest load wins; ties go to lower latency, then to the replica id (deterministic)."""
+class LeastLoad(PolicyBase):
+    """Lowest load wins; ties go to lower latency, then to the replica id (deterministic).
+
+    A full scan: the baseline the load-weighted policy is measured against.
+    """
 
     name = "least_load"
 
-    def choose(self, candidates: list[ReplicaLoad], exclude: frozenset[str] = frozenset()) -> Optional[str]:
+    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+               key: Optional[RoutingKey] = None) -> Optional[str]:
         best: Optional[ReplicaLoad] = None
         for c in candidates:
             if c.replica_id in exclude:
@@ -66,14 +156,85 @@ class LeastLoad:
         return best.replica_id if best else None
 
 
-def make_policy(name: str) -> BalancingPolicy:
-    # prefix_affinity arrives with the router issue; until then it balances by load.
-    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "prefix_affinity": LeastLoad}
+@dataclass
+class WeightSettings:
+    """How reported load turns into a cost (lower is better)."""
+
+    kv_weight: float = 1.0  # cost x (1 + kv_weight * kv_used): a nearly full cache evicts and preempts
+    latency_cap: float = 10.0  # a replica counts at most this many times slower than the mean
+    explore: float = 0.02  # chance of taking the other sample: a slow replica gets less, never nothing
+    samples: int = 2  # power of two choices
+
+
+def replica_cost(c: ReplicaLoad, mean_latency: float, settings: WeightSettings) -> float:
+    """Expected wait in units of "one request on an average replica".
+
+    (work ahead of the request + the request) x how slow this replica is x
+    how full its KV cache is. Queue depth counts work the replica holds back
+    that the router may not know of (another router, a retry in flight).
+    """
+    work = max(c.outstanding, c.queue_depth) + 1
+    slow = 1.0
+    if mean_latency > 0 and c.latency_ewma_ms > 0:
+        slow = min(settings.latency_cap, max(1.0 / settings.latency_cap, c.latency_ewma_ms / mean_latency))
+    return work * slow * (1.0 + settings.kv_weight * c.kv_used)
+
+
+class PowerOfTwo(PolicyBase):
+    """Load-weighted power of two choices.
+
+    Draw two candidates at random, take the one of lower `replica_cost`; with
+    probability ``explore`` take the other, so a replica whose reported
+    latency is stale-high still gets the probes that let it recover. O(1) per
+    choice (plus retries of the draw when many candidates are excluded).
+    """
+
+    name = "power_of_two"
+
+    def __init__(self, settings: Optional[WeightSettings] = None, seed: Optional[int] = None):
+        self.settings = settings or WeightSettings()
+        self.rng = random.Random(seed)
+
+    def sample(self, candidates: Sequence[ReplicaLoad], exclude: Container[str], k: int) -> list[ReplicaLoad]:
+        """Up to k distinct usable candidates drawn at random."""
+        n = len(candidates)
+        picked: dict[str, ReplicaLoad] = {}
+        for _ in range(4 * k + 4):
+            if len(picked) >= k or n == 0:
+                break
+            c = candidates[self.rng.randrange(n)]
+            if c.replica_id not in exclude:
+                picked[c.replica_id] = c
+        if len(picked) < k and len(picked) < n:  # many excluded: scan the rest (rare)
+            rest = [c for c in candidates if c.replica_id not in exclude and c.replica_id not in picked]
+            self.rng.shuffle(rest)
+            for c in rest[:k - len(picked)]:
+                picked[c.replica_id] = c
+        return list(picked.values())
+
+    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+               key: Optional[RoutingKey] = None) -> Optional[str]:
+        drawn = self.sample(candidates, exclude, self.settings.samples)
+        if not drawn:
+            return None
+        mean = mean_latency_ms(candidates)
+        drawn.sort(key=lambda c: (replica_cost(c, mean, self.settings), c.replica_id))
+        if len(drawn) > 1 and self.rng.random() < self.settings.explore:
+            return drawn[-1].replica_id
+        return drawn[0].replica_id
+
+
+def make_policy(name: str, **options) -> PolicyBase:
+    if name == "prefix_affinity":
+        from .affinity import PrefixAffinity
+        return PrefixAffinity(**options)
+    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "power_of_two": PowerOfTwo}
     try:
-        return policies[name]()
+        return policies[name](**options)
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(policies)}") from None
+        raise ValueError(f"unknown routing policy {name!r}; choose one of "
+                         f"{', '.join([*policies, 'prefix_affinity'])}") from None
 
 
-def candidates_for(model: str, replicas: Iterable[ReplicaLoad]) -> list[ReplicaLoad]:
+def candidates_for(model: str, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
     return [r for r in replicas if r.model == model]

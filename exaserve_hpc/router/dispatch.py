@@ -10,73 +10,53 @@ Invariants:
   RequestError sent to its gateway;
 - a request that fails on a replica is retried on another one by
   re-prefilling prompt + tokens already sent, so the client's stream goes on
-  where it stopped (at most `max_attempts` replicas in all).
+  where it stopped (at most `max_attempts` replicas in all);
+- a replica is a candidate only while it is registered, not draining and its
+  circuit breaker lets work through (`breaker.py`); candidates live in one
+  `ReplicaPool` per model (and per model version, for canaries), so a
+  routing decision never walks the fleet.
+
+Failures that count against a replica's breaker: a 5xx error for a request,
+no first token within ``first_token_timeout``, a stream silent for
+``stall_timeout``. A first token counts as a success.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 from ..protocol import (
     Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
 )
-from .balancing import BalancingPolicy, ReplicaLoad
+from .balancing import PolicyBase, ReplicaLoad, ReplicaPool, RoutingKey
+from .breaker import BreakerState, CircuitBreaker
+from .canary import RolloutTable
+from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
+    GATEWAY, REPLICA, DispatchSettings, Inflight, Outgoing, ReplicaEntry, _Excluded,
+)
 
 log = logging.getLogger(__name__)
 
-GATEWAY, REPLICA = "gateway", "replica"
-
-
-@dataclass
-class Outgoing:
-    side: str  # GATEWAY or REPLICA
-    peer: bytes  # ZeroMQ identity of the receiver
-    message: Message
-
-
-@dataclass
-class ReplicaEntry:
-    load: ReplicaLoad
-    last_seen: float
-    node: str = ""
-    pid: int = 0
-    draining: bool = False
-
-
-@dataclass
-class Inflight:
-    request: GenerateRequest  # as the gateway sent it
-    gateway: bytes
-    accepted_at: float
-    deadline: float
-    replica_id: Optional[str] = None
-    dispatched_at: float = 0.0
-    sent_tokens: list[int] = field(default_factory=list)
-    attempts: int = 0
-    tried: set[str] = field(default_factory=set)
-    last_failure: str = ""
-
-
-@dataclass
-class DispatchSettings:
-    max_attempts: int = 3
-    request_timeout: float = 300.0
-    first_token_timeout: float = 60.0
-    replica_expiry: float = 3.0
-
 
 class Dispatcher:
-    def __init__(self, policy: BalancingPolicy, settings: DispatchSettings, known_models: set[str]):
+    def __init__(self, policy: PolicyBase, settings: DispatchSettings, known_models: set[str], rollouts=None):
         self.policy = policy
+        self._uses_prefix = getattr(policy, "uses_prefix", False)
+        self._policy_route = getattr(policy, "route", None)  # policies that explain their choice (Decision)
         self.settings = settings
         self.known_models = set(known_models)
+        self.rollouts = rollouts if rollouts is not None else RolloutTable()  # which version takes a request
         self.replicas: dict[str, ReplicaEntry] = {}
+        self.pools: dict[str, ReplicaPool] = {}  # model -> its replicas
+        self.version_pools: dict[tuple[str, str], ReplicaPool] = {}  # (model, version) -> its replicas
+        self.unavailable: set[str] = set()  # registered but no new work: draining, breaker open, probe out
+        self.open_breakers: set[str] = set()
         self.inflight: dict[str, Inflight] = {}
         self.pending: deque[str] = deque()  # request ids waiting for a replica of their model
-        self.counters = {"accepted": 0, "completed": 0, "failed": 0, "retries": 0}
+        self.counters = {"accepted": 0, "completed": 0, "failed": 0, "retries": 0, "breaker_opened": 0}
+        self.reasons: dict[str, int] = {}  # routing branch -> count (policy Decision.reason)
 
     # ---------------------------------------------------------------- gateway side
 
@@ -106,11 +86,7 @@ class Dispatcher:
 
     def on_replica_message(self, replica_id: str, message: Message, now: float) -> list[Outgoing]:
         if isinstance(message, ReplicaHello):
-            self.replicas[replica_id] = ReplicaEntry(
-                load=ReplicaLoad(replica_id, message.model, 0, message.max_batch_size),
-                last_seen=now, node=message.node, pid=message.pid)
-            log.info("replica %s registered (model %s, node %s)", replica_id, message.model, message.node)
-            return self._drain_pending(now)
+            return self.register(replica_id, message, now)
         entry = self.replicas.get(replica_id)
         if entry is None:
             # A replica we dropped (expired) speaks again: make it say hello first.
@@ -119,10 +95,11 @@ class Dispatcher:
         if isinstance(message, ReplicaStats):
             entry.load.queue_depth = message.queue_depth
             entry.load.kv_used = message.kv_used
-            entry.load.latency_ewma_ms = message.latency_ewma_ms
+            for pool in self._pools_of(entry):
+                pool.set_latency(entry.load, message.latency_ewma_ms)
             return []
         if isinstance(message, TokenChunk):
-            return self._on_chunk(replica_id, message)
+            return self._on_chunk(replica_id, message, now)
         if isinstance(message, RequestError):
             return self._on_replica_error(replica_id, message, now)
         if isinstance(message, ReplicaBye):
@@ -130,9 +107,42 @@ class Dispatcher:
         log.warning("unexpected %s from replica %s", type(message).__name__, replica_id)
         return []
 
+    def register(self, replica_id: str, hello: ReplicaHello, now: float) -> list[Outgoing]:
+        if replica_id in self.replicas:  # it restarted under the same id: its cache is new
+            self._unregister(replica_id)
+        entry = ReplicaEntry(load=ReplicaLoad(replica_id, hello.model, 0, hello.max_batch_size),
+                             last_seen=now, node=hello.node, pid=hello.pid, version=hello.version,
+                             breaker=CircuitBreaker(self.settings.breaker))
+        self.replicas[replica_id] = entry
+        self.pools.setdefault(hello.model, ReplicaPool()).add(entry.load)
+        self.version_pools.setdefault((hello.model, hello.version), ReplicaPool()).add(entry.load)
+        log.info("replica %s registered (model %s%s, node %s)", replica_id, hello.model,
+                 f" version {hello.version}" if hello.version else "", hello.node)
+        return self._drain_pending(now)
+
+    def _unregister(self, replica_id: str) -> Optional[ReplicaEntry]:
+        entry = self.replicas.pop(replica_id, None)
+        if entry is None:
+            return None
+        for pool in self._pools_of(entry):
+            pool.remove(replica_id)
+        self.unavailable.discard(replica_id)
+        self.open_breakers.discard(replica_id)
+        getattr(self.policy, "forget", lambda r: None)(replica_id)
+        return entry
+
+    def _pools_of(self, entry: ReplicaEntry) -> list[ReplicaPool]:
+        model = entry.load.model
+        return [p for p in (self.pools.get(model), self.version_pools.get((model, entry.version))) if p is not None]
+
+    def on_kv_events(self, replica_id: str, events: list) -> None:
+        """KV events of a replica's engine (precise prefix routing); ignored for unknown replicas."""
+        if replica_id in self.replicas:
+            getattr(self.policy, "on_kv_events", lambda r, e: None)(replica_id, events)
+
     def replica_lost(self, replica_id: str, cause: str, now: float, expected: bool = False) -> list[Outgoing]:
         """Drop a replica from rotation and move its in-flight requests elsewhere."""
-        if self.replicas.pop(replica_id, None) is None:
+        if self._unregister(replica_id) is None:
             return []
         log.log(logging.INFO if expected else logging.WARNING, "replica %s out of rotation: %s", replica_id, cause)
         out: list[Outgoing] = []
@@ -146,12 +156,15 @@ class Dispatcher:
         if entry is None:
             return []
         entry.draining = True
+        self.unavailable.add(replica_id)
         return [Outgoing(REPLICA, replica_id.encode(), Drain())]
 
     # ---------------------------------------------------------------- time
 
     def tick(self, now: float) -> list[Outgoing]:
         out: list[Outgoing] = []
+        for replica_id in list(self.open_breakers):  # cool-off over: half-open, one probe may go
+            self._refresh(replica_id, now)
         for replica_id, entry in list(self.replicas.items()):
             if now - entry.last_seen > self.settings.replica_expiry:
                 out += self.replica_lost(replica_id, f"silent for {now - entry.last_seen:.1f}s", now)
@@ -166,10 +179,14 @@ class Dispatcher:
                                   f"no replica of model {entry.request.model!r} could take request {rid} within "
                                   f"{self.settings.first_token_timeout:.0f}s"
                                   + (f"; last failure: {entry.last_failure}" if entry.last_failure else ""))
-            elif (entry.replica_id and not entry.sent_tokens
-                  and now - entry.dispatched_at > self.settings.first_token_timeout):
-                out += self._retry(entry, f"no first token from {entry.replica_id} within "
-                                          f"{self.settings.first_token_timeout:.0f}s", now)
+            elif entry.replica_id and not entry.first_token_at \
+                    and now - entry.dispatched_at > self.settings.first_token_timeout:
+                out += self._replica_failed(entry, f"no first token from {entry.replica_id} within "
+                                                   f"{self.settings.first_token_timeout:.0f}s", now)
+            elif entry.replica_id and entry.first_token_at \
+                    and now - entry.last_token_at > self.settings.stall_limit:
+                out += self._replica_failed(entry, f"stream from {entry.replica_id} stalled for "
+                                                   f"{now - entry.last_token_at:.0f}s", now)
         return out + self._drain_pending(now)
 
     # ---------------------------------------------------------------- status
@@ -177,36 +194,66 @@ class Dispatcher:
     def snapshot(self) -> dict:
         return {
             "replicas": [
-                {"replica_id": rid, "model": e.load.model, "node": e.node, "pid": e.pid,
+                {"replica_id": rid, "model": e.load.model, "version": e.version, "node": e.node, "pid": e.pid,
                  "outstanding": e.load.outstanding, "queue_depth": e.load.queue_depth,
-                 "draining": e.draining}
+                 "draining": e.draining, "breaker": e.breaker.state.value if e.breaker else "closed"}
                 for rid, e in sorted(self.replicas.items())
             ],
             "inflight": len(self.inflight),
             "pending": len(self.pending),
+            "routing": dict(self.reasons),
+            "rollouts": self.rollouts.snapshot(),
             **self.counters,
         }
 
     # ---------------------------------------------------------------- internals
 
-    def _candidates(self, model: str) -> list[ReplicaLoad]:
-        return [e.load for e in self.replicas.values() if e.load.model == model and not e.draining]
+    def _candidates(self, entry: Inflight) -> ReplicaPool:
+        model = entry.request.model
+        if not entry.version_chosen:
+            entry.version = self.rollouts.select(model, entry.request, self.version_pools)
+            entry.version_chosen = True
+        if entry.version is not None:
+            pool = self.version_pools.get((model, entry.version))
+            if pool:
+                return pool
+        return self.pools.get(model) or ReplicaPool()
+
+    def _route(self, candidates: ReplicaPool, exclude, key: Optional[RoutingKey]) -> tuple[Optional[str], int]:
+        if self._policy_route is not None:
+            decision = self._policy_route(candidates, exclude, key)
+            if decision.replica_id is not None:
+                self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+                self.policy.commit(decision, key)
+            return decision.replica_id, decision.matched_blocks
+        return self.policy.choose(candidates, exclude, key), 0
 
     def _dispatch(self, entry: Inflight, now: float) -> list[Outgoing]:
         request = entry.request
-        replica_id = self.policy.choose(self._candidates(request.model), frozenset(entry.tried))
+        if entry.key is None and self._uses_prefix:
+            entry.key = self.policy.routing_key(request.prompt_token_ids)
+        candidates = self._candidates(entry)
+        replica_id, matched = self._route(candidates, _Excluded(entry.tried, self.unavailable), entry.key)
         if replica_id is None and entry.tried:
             # Every replica was tried once; a second go on a healthy one beats failing.
-            replica_id = self.policy.choose(self._candidates(request.model))
+            replica_id, matched = self._route(candidates, self.unavailable, entry.key)
         if replica_id is None:
             if request.request_id not in self.pending:
                 self.pending.append(request.request_id)
             return []
+        replica = self.replicas[replica_id]
         entry.replica_id = replica_id
         entry.dispatched_at = now
+        entry.first_token_at = 0.0
         entry.attempts += 1
         entry.tried.add(replica_id)
-        self.replicas[replica_id].load.outstanding += 1
+        replica.load.outstanding += 1
+        block = entry.key.block_size if entry.key else 0
+        entry.prefill_estimate = max(0, len(request.prompt_token_ids) + len(entry.sent_tokens) - matched * block)
+        replica.load.prefill_tokens += entry.prefill_estimate
+        if replica.breaker.state is BreakerState.HALF_OPEN:
+            replica.breaker.on_dispatch()  # this request is the probe; no other until it answers
+            self.unavailable.add(replica_id)
         sent = len(entry.sent_tokens)
         to_send = request if not sent else GenerateRequest(
             request_id=request.request_id, model=request.model,
@@ -223,10 +270,13 @@ class Dispatcher:
                 out += self._dispatch(entry, now)  # re-queues itself when no replica can take it
         return out
 
-    def _on_chunk(self, replica_id: str, chunk: TokenChunk) -> list[Outgoing]:
+    def _on_chunk(self, replica_id: str, chunk: TokenChunk, now: float) -> list[Outgoing]:
         entry = self.inflight.get(chunk.request_id)
         if entry is None or entry.replica_id != replica_id:
             return []  # late chunk from a replica we already moved away from
+        if not entry.first_token_at:
+            self._first_token(entry, now)
+        entry.last_token_at = now
         entry.sent_tokens.extend(chunk.token_ids)
         forwarded = TokenChunk(
             request_id=chunk.request_id, token_ids=chunk.token_ids, finished=chunk.finished,
@@ -245,7 +295,46 @@ class Dispatcher:
             return []
         if 400 <= error.status < 500:  # the request itself is bad: another replica won't help
             return self._fail(entry, error.status, error.code, error.message)
-        return self._retry(entry, f"replica {replica_id}: {error.message}", now)
+        if error.code in ("draining", "drain_timeout"):  # leaving, not failing: no breaker count
+            return self._retry(entry, f"replica {replica_id}: {error.message}", now)
+        return self._replica_failed(entry, f"replica {replica_id}: {error.message}", now)
+
+    # ---------------------------------------------------------------- breakers
+
+    def _first_token(self, entry: Inflight, now: float) -> None:
+        entry.first_token_at = now
+        replica = self.replicas.get(entry.replica_id)
+        if replica is None:
+            return
+        replica.load.prefill_tokens = max(0, replica.load.prefill_tokens - entry.prefill_estimate)
+        entry.prefill_estimate = 0
+        if replica.breaker.state is not BreakerState.CLOSED or replica.breaker.consecutive_failures:
+            replica.breaker.on_success()
+            self._refresh(entry.replica_id, now)
+
+    def _replica_failed(self, entry: Inflight, cause: str, now: float) -> list[Outgoing]:
+        """The replica failed this request: count it against its breaker, then retry elsewhere."""
+        replica = self.replicas.get(entry.replica_id)
+        if replica is not None and replica.breaker.on_failure(now):
+            self.counters["breaker_opened"] += 1
+            log.warning("breaker open for replica %s for %.0fs: %s", entry.replica_id, replica.breaker.cooloff, cause)
+            self._refresh(entry.replica_id, now)
+        return self._retry(entry, cause, now)
+
+    def _refresh(self, replica_id: str, now: float) -> None:
+        """Recompute whether a replica takes new work (draining, breaker)."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return
+        breaker = replica.breaker
+        if breaker.state is BreakerState.OPEN and now < breaker.reopens_at():
+            self.open_breakers.add(replica_id)
+        else:
+            self.open_breakers.discard(replica_id)
+        if replica.draining or not breaker.available(now):
+            self.unavailable.add(replica_id)
+        else:
+            self.unavailable.discard(replica_id)
 
     def _retry(self, entry: Inflight, cause: str, now: float) -> list[Outgoing]:
         out = self._release(entry, abort=True)
@@ -281,8 +370,14 @@ class Dispatcher:
         out = []
         if replica is not None:
             replica.load.outstanding = max(0, replica.load.outstanding - 1)
+            replica.load.prefill_tokens = max(0, replica.load.prefill_tokens - entry.prefill_estimate)
+            if replica.breaker.probe_in_flight and not entry.first_token_at:
+                replica.breaker.probe_in_flight = False  # the probe ended without a verdict: allow another
+                if not replica.draining:
+                    self.unavailable.discard(entry.replica_id)
             if abort:
                 out.append(Outgoing(REPLICA, entry.replica_id.encode(), Abort(request_id=entry.request.request_id)))
+        entry.prefill_estimate = 0
         return out
 
     @staticmethod

@@ -2,6 +2,9 @@
 
 frontend (bind): gateways and native clients connect DEALER sockets.
 backend  (bind): replicas connect DEALER sockets whose identity is their replica id.
+kv events (SUB, connects): to each replica whose hello names a KV-event
+  endpoint (engine/kv_events.py), for precise prefix routing; a gap in a
+  replica's sequence numbers makes the router forget what it knew of it.
 
 The thread polls both sockets with a short timeout, hands every decoded
 message to the transport-free `Dispatcher`, sends what it returns, and runs
@@ -21,13 +24,23 @@ from typing import Callable, Optional, TypeVar
 
 import zmq
 
-from ..protocol import Abort, DecodeError, GenerateRequest, decode, encode
+from ..engine.kv_events import AllBlocksCleared, decode_batch
+from ..protocol import Abort, DecodeError, GenerateRequest, ReplicaHello, decode, encode
 from .dispatch import GATEWAY, Dispatcher, Outgoing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_MS = 50
+
+# The hot path calls the Cython socket methods with int flags: pyzmq's sugar
+# (send_multipart, enum flags) costs about 3 us a message, as much as the routing.
+_send_frame = zmq.backend.Socket.send
+_recv_frame = zmq.backend.Socket.recv
+_sockopt = zmq.backend.Socket.get
+_MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 def bind(socket: zmq.Socket, host: str, port: int) -> str:
@@ -59,6 +72,9 @@ class ZmqRouter:
         self._snapshot: dict = dispatcher.snapshot()
         self._snapshot_lock = threading.Lock()
         self.messages_routed = 0
+        self._poller = zmq.Poller()
+        self.kv_events: Optional[zmq.Socket] = None  # SUB, created at the first replica that publishes
+        self._kv_seq: dict[str, int] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -70,8 +86,9 @@ class ZmqRouter:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        for sock in (self.frontend, self.backend):
-            sock.close(linger=0)
+        for sock in (self.frontend, self.backend, self.kv_events):
+            if sock is not None:
+                sock.close(linger=0)
 
     # ---------------------------------------------------------------- other threads
 
@@ -94,7 +111,7 @@ class ZmqRouter:
     # ---------------------------------------------------------------- router thread
 
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
         next_tick = 0.0
@@ -109,6 +126,8 @@ class ZmqRouter:
                 self._drain_socket(self.frontend, self._on_frontend)
             if self.backend in events:
                 self._drain_socket(self.backend, self._on_backend)
+            if self.kv_events is not None and self.kv_events in events:
+                self._drain_kv_events()
             self._run_calls()
             now = self.clock()
             if now >= next_tick:
@@ -120,18 +139,23 @@ class ZmqRouter:
     def _drain_socket(self, sock: zmq.Socket, handler: Callable[[bytes, bytes], list[Outgoing]]) -> None:
         for _ in range(1000):  # bounded, so one busy side cannot starve the other
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                peer = _recv_frame(sock, _NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                log.warning("dropping a message of %d frames (expected identity + payload)", len(frames))
+            frames = 1
+            payload = b""
+            while _sockopt(sock, _RCVMORE):  # the rest of a multipart message is already here
+                payload = _recv_frame(sock, _NOBLOCK)
+                frames += 1
+            if frames != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)", frames)
                 continue
             try:
-                self._send(handler(frames[0], frames[1]))
+                self._send(handler(peer, payload))
             except DecodeError as exc:
-                log.warning("dropping an undecodable message from %r: %s", frames[0][:32], exc)
+                log.warning("dropping an undecodable message from %r: %s", peer[:32], exc)
             except Exception:  # a bug in one message must not stop the router serving the others
-                log.exception("router failed on a message from %r", frames[0][:32])
+                log.exception("router failed on a message from %r", peer[:32])
             self.messages_routed += 1
 
     def _on_frontend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
@@ -144,7 +168,44 @@ class ZmqRouter:
         return []
 
     def _on_backend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
-        return self.dispatcher.on_replica_message(peer.decode(errors="replace"), decode(payload), self.clock())
+        message = decode(payload)
+        replica_id = peer.decode(errors="replace")
+        if isinstance(message, ReplicaHello) and message.kv_events_endpoint:
+            self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
+        return self.dispatcher.on_replica_message(replica_id, message, self.clock())
+
+    # ---------------------------------------------------------------- KV events (precise prefix routing)
+
+    def _subscribe_kv_events(self, replica_id: str, endpoint: str) -> None:
+        if self.kv_events is None:
+            self.kv_events = self.context.socket(zmq.SUB)
+            self.kv_events.setsockopt(zmq.LINGER, 0)
+            self.kv_events.setsockopt(zmq.SUBSCRIBE, b"")
+            self._poller.register(self.kv_events, zmq.POLLIN)
+        self.kv_events.connect(endpoint)
+        self._kv_seq.pop(replica_id, None)
+        log.info("following KV events of replica %s at %s", replica_id, endpoint)
+
+    def _drain_kv_events(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self.kv_events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                _topic, seq_frame, payload = frames
+                batch = decode_batch(payload)
+            except (ValueError, *DecodeError) as exc:
+                log.warning("dropping an undecodable KV-event message: %s", exc)
+                continue
+            seq = int.from_bytes(seq_frame, "big")
+            events = list(batch.events)
+            last = self._kv_seq.get(batch.replica_id)
+            if last is not None and seq != last + 1:
+                # Missed messages: what we knew of this replica may be wrong; start over from here.
+                events.insert(0, AllBlocksCleared())
+            self._kv_seq[batch.replica_id] = seq
+            self.dispatcher.on_kv_events(batch.replica_id, events)
 
     def _run_calls(self) -> None:
         while True:
@@ -164,7 +225,8 @@ class ZmqRouter:
         for out in outgoing:
             sock = self.frontend if out.side == GATEWAY else self.backend
             try:
-                sock.send_multipart([out.peer, encode(out.message)], zmq.NOBLOCK)
+                _send_frame(sock, out.peer, _MORE_NOBLOCK)
+                _send_frame(sock, encode(out.message), _NOBLOCK)
             except zmq.ZMQError as exc:
                 if out.side != GATEWAY and exc.errno == zmq.EHOSTUNREACH:
                     # The replica's socket is gone: move its requests now rather than at expiry.

@@ -1,0 +1,140 @@
+"""Routed requests/s of one router process vs a plain zmq.proxy forwarding the same messages.
+
+    python benchmarks/bench_router_throughput.py [--replicas 2] [--seconds 5] [--window 256] [--policy prefix_affinity]
+
+Same run, same peers, two phases:
+1. proxy: `zmq.proxy(ROUTER, DEALER)` in its own process; echo workers
+   behind it answer each GenerateRequest with one finished TokenChunk;
+2. router: `ZmqRouter` + `Dispatcher` in its own process (decode, policy,
+   bookkeeping, re-encode both ways); echo replicas say hello and answer the
+   same way.
+
+A client process keeps ``window`` requests in flight and counts answers for
+``seconds``. Echo peers are minimal (no engine) so the figure is the
+forwarding path. On a small machine the client and the echo peers share the
+cores with the router: the ratio is what to read, not the absolute rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import zmq
+
+from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, decode, encode
+
+PROMPT = list(range(1000, 1064))
+
+
+def echo_replica(endpoint: str, replica_id: str, envelope: bool) -> None:
+    """Answer every request with one finished chunk. envelope: behind zmq.proxy (identity frame kept)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if not envelope:
+        sock.setsockopt(zmq.IDENTITY, replica_id.encode())
+    sock.connect(endpoint)
+    if not envelope:
+        sock.send(encode(ReplicaHello(replica_id=replica_id, model="echo", pid=0, max_batch_size=4096,
+                                      max_seq_len=8192)))
+    while True:
+        frames = sock.recv_multipart()
+        message = decode(frames[-1])
+        if not isinstance(message, GenerateRequest):
+            continue
+        reply = encode(TokenChunk(request_id=message.request_id, token_ids=message.prompt_token_ids[:4],
+                                  finished=True, finish_reason="length"))
+        sock.send_multipart(frames[:-1] + [reply])
+
+
+def client(endpoint: str, seconds: float, window: int, result) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        sock.send(encode(GenerateRequest(request_id=f"q{sent}", model="echo", prompt_token_ids=PROMPT,
+                                         max_tokens=4)))
+        sent += 1
+
+    for _ in range(window):
+        send()
+    warm_until = time.perf_counter() + 1.0  # first second: warm-up, not counted
+    while time.perf_counter() < warm_until:
+        if sock.poll(100):
+            decode(sock.recv())
+            send()
+    started, counted = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        if sock.poll(100):
+            decode(sock.recv())
+            counted += 1
+            send()
+    result.value = counted / (time.perf_counter() - started)
+
+
+def run_proxy(endpoints) -> None:
+    ctx = zmq.Context()
+    f, b = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    fp, bp = f.bind_to_random_port("tcp://127.0.0.1"), b.bind_to_random_port("tcp://127.0.0.1")
+    endpoints.put((f"tcp://127.0.0.1:{fp}", f"tcp://127.0.0.1:{bp}"))
+    zmq.proxy(f, b)
+
+
+def run_router(endpoints, policy: str) -> None:
+    import logging
+    logging.disable(logging.WARNING)  # the client leaving mid-stream at the end is expected
+    from exaserve_hpc.router.balancing import make_policy
+    from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
+    from exaserve_hpc.router.zmq_router import ZmqRouter
+    dispatcher = Dispatcher(make_policy(policy), DispatchSettings(replica_expiry=1e9), {"echo"})
+    router = ZmqRouter(dispatcher).start()
+    endpoints.put((router.frontend_endpoint, router.backend_endpoint))
+    while True:
+        time.sleep(3600)
+
+
+def phase(kind: str, args) -> float:
+    endpoints = mp.Queue()
+    hub = mp.Process(target=run_proxy if kind == "proxy" else run_router,
+                     args=(endpoints,) if kind == "proxy" else (endpoints, args.policy), daemon=True)
+    hub.start()
+    fe, be = endpoints.get(timeout=30)
+    peers = [mp.Process(target=echo_replica, args=(be, f"echo/r{i}", kind == "proxy"), daemon=True)
+             for i in range(args.replicas)]
+    for p in peers:
+        p.start()
+    time.sleep(1.0)  # hellos registered
+    result = mp.Value("d", 0.0)
+    c = mp.Process(target=client, args=(fe, args.seconds, args.window, result))
+    c.start()
+    c.join()
+    for p in [*peers, hub]:
+        p.terminate()
+        p.join()
+    return result.value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--policy", default="prefix_affinity")
+    args = parser.parse_args(argv)
+    proxy = phase("proxy", args)
+    router = phase("router", args)
+    print(f"zmq.proxy:            {proxy:9.0f} requests/s")
+    print(f"ZmqRouter ({args.policy}): {router:9.0f} requests/s  = {router / proxy:.0%} of the proxy "
+          f"(target >= 50%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

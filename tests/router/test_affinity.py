@@ -1,0 +1,120 @@
+"""Prefix affinity: longest cached match wins unless overloaded among the candidates; hot prefixes spread."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
+from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings
+
+BLOCK = 16
+
+
+def pool_of(n: int, batch: int = 32) -> ReplicaPool:
+    pool = ReplicaPool()
+    for i in range(n):
+        pool.add(ReplicaLoad(f"r{i}", "m", 0, batch))
+    return pool
+
+
+def policy(**kw) -> PrefixAffinity:
+    kw.setdefault("weights", WeightSettings(explore=0.0))
+    return PrefixAffinity(AffinitySettings(block_size=BLOCK, **kw), seed=5)
+
+
+def route(p: PrefixAffinity, pool, exclude=frozenset(), key=None):
+    decision = p.route(pool, exclude, key)
+    p.commit(decision, key)  # as the dispatcher does once the request is sent
+    return decision
+
+
+def prompt(conversation: int, blocks: int) -> list[int]:
+    return [conversation * 100_000 + i for i in range(blocks * BLOCK)]
+
+
+def test_same_prefix_goes_back_to_the_replica_that_holds_it():
+    p, pool = policy(), pool_of(8)
+    first = route(p, pool, key=p.routing_key(prompt(1, 20)))
+    assert first.reason == "balance" and first.matched_blocks == 0
+    follow = route(p, pool, key=p.routing_key(prompt(1, 20) + list(range(40))))  # next turn: longer
+    assert follow.replica_id == first.replica_id
+    assert follow.reason == "affinity" and follow.matched_blocks == 20
+
+
+def test_longest_match_wins_over_a_shorter_one():
+    p, pool = policy(), pool_of(8)
+    p.index.record("r3", p.routing_key(prompt(1, 4)).block_hashes)
+    p.index.record("r5", p.routing_key(prompt(1, 12)).block_hashes)
+    d = route(p, pool, key=p.routing_key(prompt(1, 12)))
+    assert (d.replica_id, d.matched_blocks) == ("r5", 12)
+
+
+def test_overloaded_holder_is_passed_over_for_the_next_best_then_a_fresh_one():
+    p, pool = policy(), pool_of(8, batch=8)
+    p.index.record("r1", p.routing_key(prompt(1, 12)).block_hashes)
+    p.index.record("r2", p.routing_key(prompt(1, 8)).block_hashes)
+    pool.get("r1").outstanding = 12  # beyond its batch: requests wait for a slot there
+    d = route(p, pool, key=p.routing_key(prompt(1, 12)))
+    assert (d.replica_id, d.matched_blocks, d.reason) == ("r2", 8, "affinity")
+    pool.get("r2").outstanding = 12
+    d = route(p, pool, key=p.routing_key(prompt(1, 12)))
+    assert d.reason == "spill" and d.replica_id not in ("r1", "r2")
+    # The fresh replica now holds the prefix too: the hot prefix has spread.
+    assert d.replica_id in dict(p.index.match(p.routing_key(prompt(1, 12)).block_hashes))
+
+
+def test_imbalance_is_judged_against_candidates_not_an_idle_fleet_elsewhere():
+    # The holder carries a little more than the alternatives: a cached 64-block prompt is worth it.
+    p, pool = policy(), pool_of(16)
+    key = p.routing_key(prompt(1, 64))
+    p.index.record("r0", key.block_hashes)
+    pool.get("r0").outstanding = 3
+    for c in pool:
+        if c.replica_id != "r0":
+            c.outstanding = 2
+    assert route(p, pool, key=key).replica_id == "r0"
+
+
+def test_hot_prefix_spreads_under_load_but_stays_on_few_replicas():
+    p, pool = policy(), pool_of(16, batch=8)
+    hot = prompt(7, 32)
+    chosen = Counter()
+    for i in range(64):  # 64 concurrent requests sharing a long prefix, each with its own tail
+        d = route(p, pool, key=p.routing_key(hot + [i] * BLOCK))
+        pool.get(d.replica_id).outstanding += 1
+        chosen[d.replica_id] += 1
+    assert 2 <= len(chosen) <= 12  # spread beyond one replica, not sprayed over the fleet
+    assert max(c.outstanding for c in pool) <= 10  # no replica far beyond its batch
+
+
+def test_unrelated_prompts_are_balanced():
+    p, pool = policy(), pool_of(8)
+    for i in range(80):
+        d = route(p, pool, key=p.routing_key(prompt(i, 4)))
+        pool.get(d.replica_id).outstanding += 1
+    spread = [c.outstanding for c in pool]
+    assert max(spread) - min(spread) <= 4
+
+
+def test_excluded_and_forgotten_replicas_are_not_chosen():
+    p, pool = policy(), pool_of(4)
+    key = p.routing_key(prompt(1, 8))
+    p.index.record("r2", key.block_hashes)
+    assert route(p, pool, exclude={"r2"}, key=key).replica_id != "r2"
+    other = p.routing_key(prompt(2, 8))
+    p.index.record("r2", other.block_hashes)
+    p.forget("r2")  # it left: its cache no longer counts
+    assert route(p, pool, key=other).reason == "balance"
+
+
+def test_precise_mode_follows_kv_events_with_engine_hashes():
+    from exaserve_hpc.engine.block_manager import prompt_block_hashes
+    from exaserve_hpc.engine.kv_events import BlockStored
+
+    p, pool = policy(mode="precise"), pool_of(4)
+    tokens = prompt(3, 6)
+    hashes = prompt_block_hashes(tokens, BLOCK)
+    p.on_kv_events("r3", [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
+                                      block_size=BLOCK)])
+    d = route(p, pool, key=p.routing_key(tokens))
+    assert (d.replica_id, d.matched_blocks) == ("r3", 6)
