@@ -11,8 +11,8 @@ Who sends what:
   router   -> replica    GenerateRequest, Abort, Drain
   replica  -> router     ReplicaHello, ReplicaStats (also its heartbeat), TokenChunk,
                          RequestError, ReplicaBye
-  agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent
-  controller -> agent    StartReplica, StopReplica, Shutdown
+  agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent, LoadFailed
+  controller -> agent    StartReplica, StopReplica, Shutdown, Prefetch
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class GenerateRequest(_Msg, tag="gen"):
     timeout: float = 0.0  # seconds from acceptance by the router; 0: its request_timeout applies
     quota_group: Optional[str] = None
     resumed_tokens: int = 0  # tokens of prompt_token_ids already sent to the client (stream migration)
+    session_id: str = ""  # conversation id, if the client gave one: keeps a conversation on one canary version
 
 
 class Abort(_Msg, tag="abort"):
@@ -74,6 +75,8 @@ class ReplicaHello(_Msg, tag="hello"):
     max_batch_size: int
     max_seq_len: int
     node: str = ""
+    version: str = ""  # model version (canary rollout); "" = the model's only/stable version
+    kv_events_endpoint: str = ""  # ZeroMQ PUB endpoint of the engine's KV events (precise prefix routing)
 
 
 class ReplicaStats(_Msg, tag="stats"):
@@ -116,6 +119,38 @@ class ReplicaStatus(msgspec.Struct, omit_defaults=True):
     started_at: float = 0.0
     exit_code: Optional[int] = None
     detail: str = ""
+    load_progress: float = 0.0  # 0..1 while loading weights (L3 -> L2, then L2 -> L1); 1 once loaded
+    load_bytes_done: int = 0
+    load_bytes_total: int = 0
+    load_source: str = ""  # "l2" (host cache hit), "l3" (read from the shared store), "" (no weights)
+
+
+class MemoryPoolStatus(msgspec.Struct, omit_defaults=True):
+    """The node's memory pool (exaserve_hpc.agent.memory_pool): bytes per device."""
+    block_size: int
+    total: list[int] = []
+    free: list[int] = []
+    reservations: dict[str, int] = {}  # replica id -> bytes reserved (all its devices)
+
+
+class L2EntryStatus(msgspec.Struct, omit_defaults=True):
+    model: str
+    nbytes: int
+    state: str  # "filling" | "ready"
+    pins: int = 0  # replicas using it now; a pinned entry is never evicted
+    idle_s: float = 0.0  # seconds since last pinned or filled (LRU age)
+    progress: float = 0.0  # 0..1 while filling
+
+
+class L2Status(msgspec.Struct, omit_defaults=True):
+    """The node's host-memory weight cache (exaserve_hpc.cache.l2_shm)."""
+    capacity: int
+    used: int = 0
+    entries: list[L2EntryStatus] = []
+    l3_bytes_read: int = 0  # bytes this node read from the shared store (L3) into L2, since the agent started
+    fills: int = 0  # L3 -> L2 copies completed
+    hits: int = 0  # replica starts served from an entry already in L2
+    evictions: int = 0
 
 
 class AgentHello(_Msg, tag="agent_hello"):
@@ -125,6 +160,8 @@ class AgentHello(_Msg, tag="agent_hello"):
     node_index: int = 0
     gpus: list[GpuInfo] = []
     host_memory_total: int = 0
+    memory: Optional[MemoryPoolStatus] = None
+    l2: Optional[L2Status] = None
 
 
 class AgentHeartbeat(_Msg, tag="agent_hb"):
@@ -133,6 +170,8 @@ class AgentHeartbeat(_Msg, tag="agent_hb"):
     replicas: list[ReplicaStatus] = []
     gpus: list[GpuInfo] = []
     host_memory_used: int = 0
+    memory: Optional[MemoryPoolStatus] = None
+    l2: Optional[L2Status] = None
 
 
 class ReplicaEvent(_Msg, tag="replica_event"):
@@ -161,6 +200,9 @@ class StartReplica(_Msg, tag="start"):
     settings: EngineSettings = msgspec.field(default_factory=EngineSettings)
     stats_interval: float = 1.0
     drain_timeout: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    memory_bytes: int = 0  # per device to reserve from the node's pool; 0: the agent estimates from the manifest
+    devices: int = 1  # devices (GPUs) the replica spans on this node (tensor parallel)
+    load_timeout: float = 0.0  # seconds per L3 -> L2 attempt; 0: the agent derives it from the size
 
 
 class StopReplica(_Msg, tag="stop"):
@@ -172,10 +214,32 @@ class Shutdown(_Msg, tag="shutdown"):
     drain_timeout: float = 10.0
 
 
+class Prefetch(_Msg, tag="prefetch"):
+    """Load a model's weights into the node's L2 cache ahead of demand (no replica yet)."""
+    model: str
+    model_dir: str
+    load_timeout: float = 0.0
+
+
+class LoadFailed(_Msg, tag="load_failed"):
+    """Weights could not be loaded on this node; the controller should place the replica elsewhere.
+
+    Sent after the agent gave up (timeouts: after 1 + retries attempts; checksum: at once),
+    next to the replica's ReplicaEvent(state="failed"). replica_id is "" for a failed Prefetch.
+    """
+    agent_id: str
+    replica_id: str
+    model: str
+    reason: str  # "load_timeout" | "checksum" | "checkpoint" (missing/malformed) | "l2_full" | "io"
+    attempts: int = 1
+    detail: str = ""
+
+
 Message = Union[
     GenerateRequest, Abort, TokenChunk, RequestError,
     ReplicaHello, ReplicaStats, ReplicaBye, Drain,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
+    Prefetch, LoadFailed,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
