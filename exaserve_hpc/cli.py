@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_arguments(plan)
         plan.set_defaults(func=cmd_plan)
 
+    from .router.admin_api import add_rollout_arguments, cmd_rollout
+
+    rollout = commands.add_parser("rollout", help="canary rollout of a model version: start, promote, rollback")
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(func=cmd_rollout)
+
     model = commands.add_parser("model", help="create or verify model checkpoints")
     model_commands = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     tiny = model_commands.add_parser("create-tiny", help="write a small random Llama-style checkpoint")

@@ -185,17 +185,21 @@ class RouterConfig(_Section):
     host: str = "127.0.0.1"
     frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     backend_port: int = Field(0, ge=0, le=65535)
-    policy: Literal["round_robin", "least_load", "prefix_affinity"] = "least_load"
-    block_size: int = Field(16, ge=1)
+    policy: Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"] = "least_load"
+    block_size: int = Field(16, ge=1)  # tokens per prefix block; in precise mode the engine's block size
+    prefix_mode: Literal["approximate", "precise"] = "approximate"  # precise: fed by the replicas' KV events
+    index_blocks: int = Field(1_000_000, ge=1024)  # block hashes the prefix index keeps (memory bound)
     max_attempts: int = Field(3, ge=1)
     request_timeout: Duration = 300.0
     first_token_timeout: Duration = 60.0
+    stall_timeout: Optional[Duration] = None  # a stream silent this long moves elsewhere; None: first_token_timeout
     coalesce_ms: float = Field(20.0, ge=0)
     coalesce_tokens: int = Field(16, ge=1)
     breaker_failures: int = Field(3, ge=1)
     breaker_cooloff: Duration = 10.0
     replica_heartbeat: Duration = 1.0
     replica_misses: int = Field(3, ge=1)
+    admin_key: Optional[str] = None  # when set, the rollout admin API needs `Authorization: Bearer <admin_key>`
 
 
 class GatewayConfig(_Section):

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -70,8 +70,11 @@ class _RequestMetrics:
             metrics.REQUEST_SECONDS.labels(model, endpoint).observe(time.perf_counter() - arrived)
 
 
-def create_app(backend: GatewayBackend, site: SiteConfig) -> FastAPI:
-    """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys."""
+def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None) -> FastAPI:
+    """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys.
+
+    ``admin_routes`` (e.g. the router's rollout API) are mounted as they are; they carry their own auth.
+    """
     tokenizer = ByteTokenizer()
     admission = Admission(site.gateway.max_queued_requests,
                           {g.name: g.max_concurrent_requests for g in site.quota_groups
@@ -83,6 +86,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig) -> FastAPI:
                               f"{site.site!r}); see exaserve_hpc/router/openai_api.py for the supported subset.")
     app.add_middleware(_RequestMetrics)
     _install_error_handlers(app)
+    if admin_routes is not None:
+        app.include_router(admin_routes)
 
     def caller_group(request: Request) -> Optional[str]:
         """The quota group of the caller's API key; 401 when keys are required and this one is not known."""
