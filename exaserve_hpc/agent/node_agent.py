@@ -4,77 +4,112 @@
 
 It connects a DEALER socket (identity = agent id) to the controller, says
 hello with its inventory, then loops: poll the controller socket and every
-replica's status pipe, run commands (start / stop replica, shut down), reap
-exited replicas and report their cause, and heartbeat every interval with
-telemetry and each replica's state. Restarting a failed replica is the
-controller's decision, not the agent's.
+replica's status pipe, run commands (start / stop replica, prefetch, shut
+down), advance weight loads, reap exited replicas and report their cause,
+and heartbeat every interval with telemetry, the memory pool, the L2 cache
+and each replica's state and load progress.
+
+Replica start (lifecycle.py): reserve from the node's memory pool -> load
+(the agent fills L2 from L3 once per model, then the replica process copies
+L2 -> L1) -> init -> warm-up -> register -> serving. Whatever ends a replica
+(failure at any step, stop, crash), the agent releases its reservation and
+its L2 pin. Restarting or re-placing is the controller's decision.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket as pysocket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import zmq
 
+from ..cache.checkpoint import CheckpointError
+from ..cache.l2_shm import L2Cache, L2Full
+from ..cache.l3_store import manifest_bytes
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, ReplicaEvent, ReplicaStatus, Shutdown, StartReplica, StopReplica,
-    decode, encode,
+    AgentHeartbeat, AgentHello, DecodeError, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
+    StopReplica, decode, encode,
 )
-from .lifecycle import ReplicaState, can_move
+from ..units import format_size, parse_size
+from . import faults
+from .lifecycle import Lifecycle, ReplicaState
+from .memory_pool import DEFAULT_BLOCK_SIZE, MemoryPool, ReservationError
 from .nvml_probe import host_memory, read_gpus
 from .replica_main import die_with_parent
+from .replica_process import ReplicaSlot, parse_status_line, spawn
+from .weight_loader import PREFETCH, FillResult, WeightLoader
 
 log = logging.getLogger("exaserve.agent")
 
-
-@dataclass
-class ReplicaProcess:
-    spec: StartReplica
-    process: subprocess.Popen
-    status_fd: int
-    state: ReplicaState = ReplicaState.PENDING
-    started_at: float = field(default_factory=time.time)
-    detail: str = ""
-    exit_code: Optional[int] = None
-    stop_deadline: float = 0.0
-    _partial: bytes = b""
-
-    def status(self) -> ReplicaStatus:
-        return ReplicaStatus(replica_id=self.spec.replica_id, model=self.spec.model, state=self.state.value,
-                             pid=self.process.pid, started_at=self.started_at, exit_code=self.exit_code,
-                             detail=self.detail)
+DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
+RUNTIME_OVERHEAD = 0.25  # reserve weights x 1.25 when the controller does not say (KV cache, activations)
 
 
-def spawn_replica(spec: StartReplica, node: str) -> ReplicaProcess:
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(read_fd, False)
-    command = [sys.executable, "-m", "exaserve_hpc.agent.replica_main", "--spec", encode(spec).hex(),
-               "--status-fd", str(write_fd), "--node", node]
-    process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
-    os.close(write_fd)
-    return ReplicaProcess(spec=spec, process=process, status_fd=read_fd)
+def estimate_replica_bytes(spec: StartReplica) -> int:
+    """Bytes per device to reserve: the controller's figure, else the checkpoint's size plus overhead."""
+    if spec.memory_bytes:
+        return spec.memory_bytes
+    if spec.settings.engine in ("echo", "timing"):
+        return 0
+    return int(manifest_bytes(spec.model_dir) * (1 + RUNTIME_OVERHEAD) / max(1, spec.devices))
+
+
+def spawn_replica(spec: StartReplica, node: str) -> ReplicaSlot:
+    """Start one replica process outside any agent's bookkeeping (router tests, tools); it reads L3 itself."""
+    slot = ReplicaSlot(spec, Lifecycle(time.monotonic()))
+    spawn(slot, node, "", "")
+    return slot
+
+
+def default_l2_root(agent_id: str) -> Path:
+    return Path("/dev/shm") / f"exaserve-l2-{os.getuid()}" / agent_id.replace("/", "_")
+
+
+def node_pool(l2_capacity: int, pool_bytes: Optional[int], block_size: int) -> MemoryPool:
+    """Per-GPU memory from NVML; on CPU nodes host memory less L2 (10% left for the OS)."""
+    if pool_bytes is not None:
+        return MemoryPool([pool_bytes], block_size)
+    gpus, _ = read_gpus()
+    if gpus:
+        return MemoryPool([g.memory_total - g.memory_used for g in gpus], block_size)
+    total, _ = host_memory()
+    return MemoryPool([max(0, int(total * 0.9) - l2_capacity)], block_size)
 
 
 class NodeAgent:
     def __init__(self, controller: str, agent_id: str, heartbeat_interval: float = 5.0, node_index: int = 0,
-                 hostname: Optional[str] = None):
+                 hostname: Optional[str] = None, *, l2_capacity: int = DEFAULT_L2_CAPACITY,
+                 l2_root: Optional[str] = None, pool_bytes: Optional[int] = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, keep_l2: bool = False, load_retries: int = 3):
         self.controller = controller
         self.agent_id = agent_id
         self.hostname = hostname or pysocket.gethostname()
         self.node_index = node_index
         self.heartbeat_interval = heartbeat_interval
-        self.replicas: dict[str, ReplicaProcess] = {}
+        self.replicas: dict[str, ReplicaSlot] = {}
         self.shutting_down = False
         self.shutdown_deadline = 0.0
+        self.keep_l2 = keep_l2
+        root = Path(l2_root) if l2_root else default_l2_root(agent_id)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        shm_free = shutil.disk_usage(root).free
+        if l2_capacity > shm_free:
+            log.warning("L2 capacity %s is more than %s free in %s; using %s", format_size(l2_capacity),
+                        format_size(shm_free), root, format_size(int(shm_free * 0.9)))
+            l2_capacity = int(shm_free * 0.9)
+        self.cache = L2Cache(root, l2_capacity)
+        self.cache.adopt(time.monotonic())
+        self.loader = WeightLoader(self.cache, retries=load_retries)
+        self.pool = node_pool(l2_capacity, pool_bytes, block_size)
         self._seq = 0
+        self._heartbeat_due = False  # a replica process started: its pid goes out before its first event
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, agent_id.encode())
@@ -86,29 +121,39 @@ class NodeAgent:
         if not gpus:
             log.info("%s", why)
         self._send(AgentHello(agent_id=self.agent_id, hostname=self.hostname, pid=os.getpid(),
-                              node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0]))
+                              node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0],
+                              memory=self.pool.status(), l2=self.cache.status(time.monotonic())))
         next_heartbeat = 0.0
         try:
             while True:
                 poller = zmq.Poller()
                 poller.register(self.socket, zmq.POLLIN)
-                for replica in self.replicas.values():
-                    if replica.status_fd >= 0:
-                        poller.register(replica.status_fd, zmq.POLLIN)
+                for slot in self.replicas.values():
+                    if slot.status_fd >= 0:
+                        poller.register(slot.status_fd, zmq.POLLIN)
                 events = dict(poller.poll(100))
                 if self.socket in events:
                     self._receive()
                 self._read_status_pipes()
+                self._advance_loads()
                 self._reap()
                 now = time.monotonic()
-                if now >= next_heartbeat:
+                if now >= next_heartbeat or self._heartbeat_due:
                     self._heartbeat()
                     next_heartbeat = now + self.heartbeat_interval
+                    self._heartbeat_due = False
                 if self.shutting_down and self._all_done(now):
                     self._heartbeat()
                     return 0
         finally:
             self._kill_all()
+            self.loader.close()
+            if not self.keep_l2:
+                self.cache.clear()
+                try:
+                    self.cache.root.parent.rmdir()  # the per-user directory, once no agent uses it
+                except OSError:
+                    pass
             self.socket.close()
             self.context.term()
 
@@ -129,27 +174,70 @@ class NodeAgent:
                 self.start(message)
             elif isinstance(message, StopReplica):
                 self.stop(message.replica_id, message.drain_timeout)
+            elif isinstance(message, Prefetch):
+                self.prefetch(message)
             elif isinstance(message, Shutdown):
                 self.shutdown(message.drain_timeout)
 
     def start(self, spec: StartReplica) -> None:
         existing = self.replicas.get(spec.replica_id)
-        if existing is not None and not existing.state.terminal:
-            log.warning("replica %s is already running (pid %d)", spec.replica_id, existing.process.pid)
+        if existing is not None and not existing.finished:
+            log.warning("replica %s is already here (%s)", spec.replica_id, existing.state.value)
             return
         if self.shutting_down:
             return
-        replica = spawn_replica(spec, self.hostname)
-        self.replicas[spec.replica_id] = replica
-        log.info("started replica %s (pid %d)", spec.replica_id, replica.process.pid)
+        slot = ReplicaSlot(spec, Lifecycle(time.monotonic()))
+        self.replicas[spec.replica_id] = slot
+        self._move(slot, ReplicaState.RESERVING)
+        try:
+            faults.check("reserving")
+            slot.reservation = self.pool.reserve(spec.replica_id, estimate_replica_bytes(spec), spec.devices)
+        except (ReservationError, CheckpointError, faults.InjectedFailure) as exc:
+            self._fail(slot, f"reserve failed: {exc}")
+            return
+        self._move(slot, ReplicaState.LOADING, spec.model_dir)
+        if not slot.needs_weights:
+            self._spawn(slot, "", "")
+            return
+        now = time.monotonic()
+        try:
+            ticket = self.loader.request(spec.model, spec.model_dir, spec.replica_id, now, spec.load_timeout)
+        except CheckpointError as exc:
+            self._fail(slot, f"checkpoint: {exc}", load_reason="checkpoint")
+            return
+        except L2Full as exc:  # pinned models fill L2: this replica reads L3 itself (verified)
+            log.warning("replica %s bypasses L2: %s", spec.replica_id, exc)
+            slot.load_source = "l3"
+            self._spawn(slot, spec.model_dir, "l3")
+            return
+        slot.l2_key = ticket.key
+        if ticket.ready:
+            slot.load_source = "l2"
+            self._spawn(slot, str(ticket.path), "l2")
+        else:
+            slot.load_source, slot.l3_total = "l3", ticket.nbytes
+
+    def prefetch(self, message: Prefetch) -> None:
+        try:
+            self.loader.request(message.model, message.model_dir, PREFETCH, time.monotonic(), message.load_timeout)
+        except (CheckpointError, L2Full) as exc:
+            reason = "l2_full" if isinstance(exc, L2Full) else "checkpoint"
+            self._send(LoadFailed(agent_id=self.agent_id, replica_id="", model=message.model, reason=reason,
+                                  detail=str(exc)))
 
     def stop(self, replica_id: str, drain_timeout: float) -> None:
-        replica = self.replicas.get(replica_id)
-        if replica is None or replica.exit_code is not None:
+        slot = self.replicas.get(replica_id)
+        if slot is None or slot.finished:
             return
-        replica.stop_deadline = time.monotonic() + drain_timeout + 5.0
+        if slot.process is None:  # still reserving or waiting for L2: nothing runs yet
+            self._move(slot, ReplicaState.STOPPED, "stopped before its process started")
+            self._release(slot)
+            return
+        if slot.exit_code is not None:
+            return
+        slot.stop_deadline = time.monotonic() + drain_timeout + 5.0
         try:
-            replica.process.send_signal(signal.SIGTERM)  # the replica drains, then exits
+            slot.process.send_signal(signal.SIGTERM)  # the replica drains, then exits
         except ProcessLookupError:
             pass
 
@@ -159,77 +247,144 @@ class NodeAgent:
         for replica_id in list(self.replicas):
             self.stop(replica_id, drain_timeout)
 
+    # ---------------------------------------------------------------- weights
+
+    def _advance_loads(self) -> None:
+        now = time.monotonic()
+        for result in self.loader.poll(now):
+            self._on_fill(result)
+        for slot in self.replicas.values():  # progress of L3 -> L2 for the heartbeat
+            if slot.process is None and slot.l2_key and slot.state is ReplicaState.LOADING:
+                slot.l3_done, _ = self.loader.progress(slot.l2_key)
+
+    def _on_fill(self, result: FillResult) -> None:
+        if not result.ok:
+            log.warning("loading %s into L2 failed after %d attempt(s): %s %s", result.model, result.attempts,
+                        result.reason, result.detail)
+        if PREFETCH in result.waiters and not result.ok:
+            self._send(LoadFailed(agent_id=self.agent_id, replica_id="", model=result.model, reason=result.reason,
+                                  attempts=result.attempts, detail=result.detail))
+        for replica_id in result.waiters - {PREFETCH}:
+            slot = self.replicas.get(replica_id)
+            if slot is None or slot.process is not None or slot.state is not ReplicaState.LOADING:
+                self.cache.unpin(result.key, replica_id, time.monotonic())  # it went away meanwhile
+                continue
+            if result.ok:
+                slot.l3_done = slot.l3_total
+                self._spawn(slot, str(self.cache.path(result.key)), "l2")
+            else:
+                self._fail(slot, f"{result.reason}: {result.detail}", load_reason=result.reason,
+                           attempts=result.attempts)
+
     # ---------------------------------------------------------------- replica processes
 
+    def _spawn(self, slot: ReplicaSlot, weights_dir: str, source: str) -> None:
+        try:
+            spawn(slot, self.hostname, weights_dir, source)
+        except OSError as exc:
+            self._fail(slot, f"cannot start the replica process: {exc}")
+            return
+        self._heartbeat_due = True
+        log.info("started replica %s (pid %d, weights from %s)", slot.replica_id, slot.process.pid,
+                 source or "nowhere")
+
     def _read_status_pipes(self) -> None:
-        for replica in self.replicas.values():
-            if replica.status_fd < 0:
+        for slot in self.replicas.values():
+            if slot.status_fd < 0:
                 continue
             try:
-                data = os.read(replica.status_fd, 65536)
+                data = os.read(slot.status_fd, 65536)
             except BlockingIOError:
                 continue
             if not data:  # writer closed: the process is exiting
-                os.close(replica.status_fd)
-                replica.status_fd = -1
+                os.close(slot.status_fd)
+                slot.status_fd = -1
                 continue
-            replica._partial += data
-            *lines, replica._partial = replica._partial.split(b"\n")
+            slot.partial += data
+            *lines, slot.partial = slot.partial.split(b"\n")
             for line in lines:
-                self._on_status_line(replica, line.decode(errors="replace"))
+                self._on_status_line(slot, line.decode(errors="replace"))
 
-    def _on_status_line(self, replica: ReplicaProcess, line: str) -> None:
-        parts = line.split(" ", 2)
-        try:
-            new = ReplicaState(parts[0])
-            seconds = float(parts[1])
-        except (ValueError, IndexError):
-            log.warning("bad status line from %s: %r", replica.spec.replica_id, line)
-            return
-        self._move(replica, new, parts[2] if len(parts) > 2 else "", seconds)
+    def _on_status_line(self, slot: ReplicaSlot, line: str) -> None:
+        parsed = parse_status_line(line)
+        if parsed is None:
+            log.warning("bad status line from %s: %r", slot.replica_id, line)
+        elif isinstance(parsed[0], ReplicaState):
+            if parsed[0] is not slot.state:  # "loading" again from the replica: same step, L2 -> L1 now
+                self._move(slot, parsed[0], parsed[1])
+        else:
+            slot.l1_done, slot.l1_total = parsed
 
-    def _move(self, replica: ReplicaProcess, new: ReplicaState, detail: str, seconds: float = 0.0) -> None:
-        if not can_move(replica.state, new):
+    def _move(self, slot: ReplicaSlot, new: ReplicaState, detail: str = "") -> bool:
+        if slot.state.terminal:  # e.g. the exit of a replica that already said "failed"
+            return False
+        transition = slot.lifecycle.move(new, time.monotonic(), detail)
+        if transition is None:
+            log.warning("replica %s: ignoring %s -> %s (not a lifecycle step)", slot.replica_id,
+                        slot.state.value, new.value)
+            return False
+        slot.detail = detail
+        log.info("replica %s %s -> %s after %.3fs %s", slot.replica_id, transition.old.value, new.value,
+                 transition.seconds, detail)
+        self._send(ReplicaEvent(agent_id=self.agent_id, replica_id=slot.replica_id, state=new.value,
+                                detail=detail, seconds_in_previous_state=round(transition.seconds, 6)))
+        return True
+
+    def _fail(self, slot: ReplicaSlot, detail: str, load_reason: str = "", attempts: int = 1) -> None:
+        """A failure before the replica process exists: report it and release what was reserved."""
+        self._move(slot, ReplicaState.FAILED, detail)
+        if load_reason:
+            self._send(LoadFailed(agent_id=self.agent_id, replica_id=slot.replica_id, model=slot.spec.model,
+                                  reason=load_reason, attempts=attempts, detail=detail))
+        self._release(slot)
+
+    def _release(self, slot: ReplicaSlot) -> None:
+        """Give back everything the replica held; safe to call more than once."""
+        if slot.released:
             return
-        replica.state = new
-        replica.detail = detail
-        self._send(ReplicaEvent(agent_id=self.agent_id, replica_id=replica.spec.replica_id, state=new.value,
-                                detail=detail, seconds_in_previous_state=seconds))
+        slot.released = True
+        self.pool.release(slot.replica_id)
+        self.loader.forget(slot.replica_id)
+        if slot.l2_key:
+            self.cache.unpin(slot.l2_key, slot.replica_id, time.monotonic())
 
     def _reap(self) -> None:
         now = time.monotonic()
-        for replica in self.replicas.values():
-            if replica.exit_code is not None:
+        for slot in self.replicas.values():
+            if slot.process is None or slot.exit_code is not None:
                 continue
-            code = replica.process.poll()
+            code = slot.process.poll()
             if code is None:
-                if replica.stop_deadline and now > replica.stop_deadline:
-                    log.warning("replica %s did not stop in time; killing it", replica.spec.replica_id)
-                    replica.process.kill()
+                if slot.stop_deadline and now > slot.stop_deadline:
+                    log.warning("replica %s did not stop in time; killing it", slot.replica_id)
+                    slot.process.kill()
                 continue
-            replica.exit_code = code
+            slot.exit_code = code
             self._read_status_pipes()  # pick up its last words before judging the exit
-            if code == 0 and replica.state in (ReplicaState.DRAINING, ReplicaState.STOPPED, ReplicaState.SERVING) \
-                    and replica.stop_deadline:
-                self._move(replica, ReplicaState.STOPPED, "stopped on request")
-            elif not replica.state.terminal:
+            if code == 0 and slot.stop_deadline and not slot.state.terminal:
+                self._move(slot, ReplicaState.STOPPED, "stopped on request")
+            elif not slot.state.terminal:
                 cause = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
-                self._move(replica, ReplicaState.FAILED, f"{cause} while {replica.state.value}"
-                           + (f": {replica.detail}" if replica.detail else ""))
+                self._move(slot, ReplicaState.FAILED, f"{cause} while {slot.state.value}"
+                           + (f": {slot.detail}" if slot.detail else ""))
+            self._release(slot)
 
     def _all_done(self, now: float) -> bool:
-        if all(r.exit_code is not None for r in self.replicas.values()):
+        if all(slot.finished for slot in self.replicas.values()):
             return True
         return now > self.shutdown_deadline + 5.0
 
     def _kill_all(self) -> None:
-        for replica in self.replicas.values():
-            if replica.process.poll() is None:
-                replica.process.kill()
-                replica.process.wait(5)
-            if replica.status_fd >= 0:
-                os.close(replica.status_fd)
-                replica.status_fd = -1
+        for slot in self.replicas.values():
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.kill()
+                slot.process.wait(5)
+            if slot.process is not None and slot.exit_code is None:
+                slot.exit_code = slot.process.returncode
+            if slot.status_fd >= 0:
+                os.close(slot.status_fd)
+                slot.status_fd = -1
+            self._release(slot)
 
     # ---------------------------------------------------------------- telemetry
 
@@ -237,8 +392,9 @@ class NodeAgent:
         self._seq += 1
         gpus, _ = read_gpus() if self._seq % 5 == 1 else ([], "")
         self._send(AgentHeartbeat(agent_id=self.agent_id, seq=self._seq,
-                                  replicas=[r.status() for r in self.replicas.values()],
-                                  gpus=gpus, host_memory_used=host_memory()[1]))
+                                  replicas=[slot.status() for slot in self.replicas.values()],
+                                  gpus=gpus, host_memory_used=host_memory()[1], memory=self.pool.status(),
+                                  l2=self.cache.status(time.monotonic())))
 
     def _send(self, message) -> None:
         try:
@@ -255,12 +411,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between heartbeats")
     parser.add_argument("--node-index", type=int, default=0)
     parser.add_argument("--die-with-parent", action="store_true", help="exit when the starting process dies")
+    parser.add_argument("--l2-capacity", type=parse_size, default=DEFAULT_L2_CAPACITY,
+                        help="host memory for the node's weight cache, e.g. 64GiB (weight_cache.l2_capacity)")
+    parser.add_argument("--l2-dir", help="where L2 lives (default /dev/shm/exaserve-l2-UID/AGENT_ID)")
+    parser.add_argument("--keep-l2", action="store_true", help="leave L2 in place at exit for the next agent")
+    parser.add_argument("--memory-pool", type=parse_size, default=None,
+                        help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "
+                             "less L2 on CPU nodes)")
+    parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
+                        help="the memory pool's block size")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s agent %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
-    agent = NodeAgent(args.controller, args.agent_id, args.heartbeat, args.node_index)
+    agent = NodeAgent(args.controller, args.agent_id, args.heartbeat, args.node_index,
+                      l2_capacity=args.l2_capacity, l2_root=args.l2_dir, pool_bytes=args.memory_pool,
+                      block_size=args.memory_block, keep_l2=args.keep_l2)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller orders the shutdown
     return agent.run()

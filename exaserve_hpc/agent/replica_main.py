@@ -1,13 +1,16 @@
 """One replica: its own process, started by the node agent.
 
-    python -m exaserve_hpc.agent.replica_main --spec HEX --status-fd N
+    python -m exaserve_hpc.agent.replica_main --spec HEX --status-fd N [--weights-dir DIR --weights-source l2|l3]
 
 `--spec` is the controller's StartReplica message (MessagePack, hex). The
-process loads the engine, warms it up with a real inference, connects a
-DEALER socket (identity = replica id) to the router backend, says hello, and
-then runs the serve loop: receive requests -> engine.step() -> send token
-chunks. State changes go to the agent as lines on --status-fd:
-"<state> <seconds in previous state> <detail>".
+agent has reserved its memory and, normally, put the weights in the node's
+L2 cache (--weights-dir, source l2); without --weights-dir the process reads
+spec.model_dir from L3 with checksums. Steps, each reported to the agent:
+loading (weights L2 -> L1, with "progress <done> <total>" lines) ->
+initializing (the engine over those weights) -> warming (a real inference,
+output checked) -> registering (DEALER, identity = replica id, to the router
+backend; hello) -> serving (receive requests -> engine.step() -> token
+chunks). State lines on --status-fd: "<state> <seconds in previous state> <detail>".
 
 SIGTERM drains: no new requests, in-flight ones finish (bounded by the drain
 timeout), then the replica says bye and exits 0.
@@ -30,9 +33,14 @@ from ..protocol import (
     Abort, DecodeError, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
     StartReplica, TokenChunk, decode, encode,
 )
+from ..cache.tiers import load_weights
+from . import faults
 from .lifecycle import ReplicaState
+from .replica_process import WEIGHTLESS_ENGINES
 
 log = logging.getLogger("exaserve.replica")
+_INJECTABLE = (ReplicaState.LOADING, ReplicaState.INITIALIZING, ReplicaState.WARMING, ReplicaState.REGISTERING,
+               ReplicaState.SERVING)  # failure injection after reporting these steps (tests)
 
 
 class StatusReporter:
@@ -42,11 +50,25 @@ class StatusReporter:
         self._file = os.fdopen(fd, "w", buffering=1) if fd is not None else None
         self._since = time.monotonic()
 
+        self._last_progress = 0.0
+
     def state(self, state: ReplicaState, detail: str = "") -> None:
         now = time.monotonic()
         line = f"{state.value} {now - self._since:.3f} {detail}".rstrip()
         self._since = now
         log.info("replica state %s", line)
+        self._write(line)
+        if state in _INJECTABLE:
+            faults.check(state.value)
+
+    def progress(self, done: int, total: int) -> None:
+        """Bytes of weights loaded; at most ~5 lines a second."""
+        now = time.monotonic()
+        if done >= total or now - self._last_progress >= 0.2:
+            self._last_progress = now
+            self._write(f"progress {done} {total}")
+
+    def _write(self, line: str) -> None:
         if self._file is not None:
             try:
                 self._file.write(line.replace("\n", " ") + "\n")
@@ -64,7 +86,8 @@ def die_with_parent() -> None:
         pass
 
 
-def make_engine(spec: StartReplica):
+def make_engine(spec: StartReplica, loaded: Optional[tuple[dict, dict]] = None):
+    """The engine over weights already in this process (``loaded`` = (config, weights))."""
     settings = spec.settings
     kwargs = dict(max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, **settings.options)
     if settings.engine == "echo":
@@ -72,9 +95,11 @@ def make_engine(spec: StartReplica):
         return EchoEngine(**kwargs)
     if settings.engine == "reference":
         from ..engine.reference import ReferenceEngine
-        return ReferenceEngine(spec.model_dir, max_wait_ms=settings.max_wait_ms,
-                               prefill_batch_size=settings.prefill_batch_size,
-                               decode_batch_size=settings.decode_batch_size, **kwargs)
+        batching = dict(max_wait_ms=settings.max_wait_ms, prefill_batch_size=settings.prefill_batch_size,
+                        decode_batch_size=settings.decode_batch_size, **kwargs)
+        if loaded is None:
+            return ReferenceEngine(spec.model_dir, **batching)
+        return ReferenceEngine.from_weights(*loaded, **batching)
     raise ValueError(f"engine {settings.engine!r} cannot run in a replica process yet; "
                      "use engine: reference (or echo for benchmarks)")
 
@@ -128,6 +153,7 @@ class ReplicaServer:
         self.reporter = reporter
         self.coalescer = ChunkCoalescer(coalesce_ms, coalesce_tokens)
         self.draining = False
+        self.drain_signalled = False  # SIGTERM arrived; the loop starts the drain
         self.drain_deadline = 0.0
         self.latency_ewma_ms = 0.0
         self._running_ids: set[str] = set()
@@ -167,6 +193,10 @@ class ReplicaServer:
             if now >= next_stats:
                 self._send_stats()
                 next_stats = now + self.spec.stats_interval
+            if self.drain_signalled:
+                self.request_drain(self.spec.drain_timeout)
+            if self.draining:
+                faults.check("draining")
             if self.draining and (not self._running_ids or now > self.drain_deadline):
                 self._finish_drain()
                 return
@@ -233,6 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--spec", required=True, help="StartReplica message, MessagePack as hex")
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--node", default=os.uname().nodename)
+    parser.add_argument("--weights-dir", help="L2 entry (or L3 checkpoint) to load; default: the spec's model_dir")
+    parser.add_argument("--weights-source", choices=("l2", "l3"), default="l3")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s replica %(levelname)s %(message)s")
@@ -244,16 +276,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     server: Optional[ReplicaServer] = None
 
     def on_term(signum, frame):
-        if server is not None:
-            server.request_drain(spec.drain_timeout)
+        if server is not None:  # only a flag: the handler may interrupt a write to the status pipe
+            server.drain_signalled = True
         else:
             sys.exit(0)  # still loading: nothing in flight to finish
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     try:
-        reporter.state(ReplicaState.LOADING, spec.model_dir)
-        engine = make_engine(spec)
+        weights_dir = args.weights_dir or spec.model_dir
+        reporter.state(ReplicaState.LOADING, f"{args.weights_source}: {weights_dir}")
+        loaded = None
+        if spec.settings.engine not in WEIGHTLESS_ENGINES:
+            loaded = load_weights(weights_dir, args.weights_source, progress=reporter.progress)
+        reporter.state(ReplicaState.INITIALIZING)
+        engine = make_engine(spec, loaded)
+        del loaded
         reporter.state(ReplicaState.WARMING)
         engine.warmup()
         reporter.state(ReplicaState.REGISTERING, spec.router_backend)

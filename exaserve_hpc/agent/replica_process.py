@@ -1,0 +1,103 @@
+"""One replica as the agent sees it: its lifecycle, what it holds, and its process once spawned.
+
+The replica process talks back on a pipe, one line per event:
+    "<state> <seconds> <detail>"     a lifecycle step (seconds: the replica's own measure, informational)
+    "progress <done> <total>"        bytes of weights copied into L1 so far
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .memory_pool import Reservation
+from ..protocol import ReplicaStatus, StartReplica, encode
+from .lifecycle import Lifecycle, ReplicaState
+
+WEIGHTLESS_ENGINES = ("echo", "timing")  # engines that read no checkpoint
+
+
+@dataclass
+class ReplicaSlot:
+    spec: StartReplica
+    lifecycle: Lifecycle
+    started_at: float = field(default_factory=time.time)
+    process: Optional[subprocess.Popen] = None
+    status_fd: int = -1
+    detail: str = ""
+    exit_code: Optional[int] = None
+    stop_deadline: float = 0.0
+    reservation: Optional[Reservation] = None
+    l2_key: Optional[str] = None  # the L2 entry it waits for or pins
+    load_source: str = ""  # "l2" | "l3" | ""
+    l3_done: int = 0
+    l3_total: int = 0
+    l1_done: int = 0
+    l1_total: int = 0
+    released: bool = False
+    partial: bytes = b""
+
+    @property
+    def state(self) -> ReplicaState:
+        return self.lifecycle.state
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    @property
+    def needs_weights(self) -> bool:
+        return self.spec.settings.engine not in WEIGHTLESS_ENGINES
+
+    @property
+    def finished(self) -> bool:
+        """Terminal and no process left running."""
+        return self.state.terminal and (self.process is None or self.exit_code is not None)
+
+    def load_progress(self) -> float:
+        total = self.l3_total + self.l1_total
+        if self.state not in (ReplicaState.PENDING, ReplicaState.RESERVING, ReplicaState.LOADING):
+            return 1.0 if self.needs_weights else 0.0
+        return (self.l3_done + self.l1_done) / total if total else 0.0
+
+    def status(self) -> ReplicaStatus:
+        return ReplicaStatus(replica_id=self.replica_id, model=self.spec.model, state=self.state.value,
+                             pid=self.process.pid if self.process else 0, started_at=self.started_at,
+                             exit_code=self.exit_code, detail=self.detail,
+                             load_progress=round(self.load_progress(), 4),
+                             load_bytes_done=self.l3_done + self.l1_done,
+                             load_bytes_total=self.l3_total + self.l1_total, load_source=self.load_source)
+
+
+def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str) -> None:
+    """Start the replica process; it reports on a pipe the agent reads without blocking."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    command = [sys.executable, "-m", "exaserve_hpc.agent.replica_main", "--spec", encode(slot.spec).hex(),
+               "--status-fd", str(write_fd), "--node", node]
+    if weights_dir:
+        command += ["--weights-dir", weights_dir, "--weights-source", source]
+    try:
+        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write_fd)
+    slot.status_fd = read_fd
+
+
+StatusLine = Union[tuple[ReplicaState, str], tuple[int, int], None]
+
+
+def parse_status_line(line: str) -> StatusLine:
+    """(state, detail) or (done, total) bytes of progress; None for a line we cannot read."""
+    parts = line.split(" ", 2)
+    try:
+        if parts[0] == "progress":
+            return int(parts[1]), int(parts[2])
+        float(parts[1])
+        return ReplicaState(parts[0]), (parts[2] if len(parts) > 2 else "")
+    except (ValueError, IndexError):
+        return None

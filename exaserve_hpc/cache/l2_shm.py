@@ -1,0 +1,170 @@
+"""L2: the node's host-memory weight cache, in POSIX shared memory (files under /dev/shm).
+
+One directory per cached checkpoint version, ``<root>/<key>/``, holding the
+same files as L3 (config.json, shards, manifest.json), so every replica of
+the node maps the same pages and the node reads L3 once per model. An entry
+is filled into ``<root>/.fill-<key>-<n>/`` and renamed into place only after
+every checksum matched, so a reader never sees a half or unverified entry.
+
+Bookkeeping (this class) is plain data driven by the node agent, which is
+its only writer; the clock is passed in. Capacity is bounded: room for a new
+entry is made by evicting the least recently used entries that no replica
+pins and that are not filling. ``choose_victims`` is the pure policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..protocol import L2EntryStatus, L2Status
+from ..units import format_size
+
+READY, FILLING = "ready", "filling"
+_MARKER = ".exaserve-l2.json"
+
+
+class L2Full(Exception):
+    """The entry cannot fit: pinned and filling entries hold the room it needs."""
+
+
+@dataclass
+class L2Entry:
+    key: str
+    model: str
+    nbytes: int
+    state: str = FILLING
+    pins: set[str] = field(default_factory=set)
+    last_used: float = 0.0
+    done: int = 0  # bytes filled so far
+
+    @property
+    def evictable(self) -> bool:
+        return self.state == READY and not self.pins
+
+
+def entry_key(model: str, manifest_raw: bytes) -> str:
+    """Directory name of a checkpoint version: readable model name + the manifest's digest."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model)[:64] or "model"
+    return f"{safe}-{hashlib.sha256(manifest_raw).hexdigest()[:16]}"
+
+
+def choose_victims(entries: list[L2Entry], need: int, capacity: int) -> list[str]:
+    """Keys to evict, least recently used first, so ``need`` more bytes fit; L2Full if they cannot."""
+    used = sum(e.nbytes for e in entries)
+    if need > capacity:
+        raise L2Full(f"{format_size(need)} is more than the whole L2 capacity ({format_size(capacity)})")
+    victims = []
+    for entry in sorted((e for e in entries if e.evictable), key=lambda e: (e.last_used, e.key)):
+        if used + need <= capacity:
+            break
+        victims.append(entry.key)
+        used -= entry.nbytes
+    if used + need > capacity:
+        held = sum(e.nbytes for e in entries if not e.evictable)
+        raise L2Full(f"L2 needs {format_size(need)} more but pinned or filling entries hold "
+                     f"{format_size(held)} of {format_size(capacity)}")
+    return victims
+
+
+class L2Cache:
+    def __init__(self, root: str | os.PathLike, capacity: int):
+        self.root = Path(root)
+        self.capacity = capacity
+        self.entries: dict[str, L2Entry] = {}
+        self.l3_bytes_read = 0  # every byte this node read from the shared store into L2
+        self.fills = 0
+        self.hits = 0
+        self.evictions = 0
+        self._attempt = 0
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # ------------------------------------------------------------ entries
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def adopt(self, now: float) -> list[str]:
+        """Take over complete entries left by an earlier agent on this node; remove partial fills."""
+        adopted = []
+        for child in sorted(self.root.iterdir()):
+            marker = child / _MARKER
+            if child.name.startswith(".fill-") or not marker.is_file():
+                shutil.rmtree(child, ignore_errors=True)
+                continue
+            try:
+                info = json.loads(marker.read_text())
+                entry = L2Entry(child.name, info["model"], int(info["nbytes"]), READY, last_used=now)
+            except (ValueError, KeyError, OSError):
+                shutil.rmtree(child, ignore_errors=True)
+                continue
+            if self.used() + entry.nbytes > self.capacity:
+                shutil.rmtree(child, ignore_errors=True)
+                continue
+            self.entries[entry.key] = entry
+            adopted.append(entry.key)
+        return adopted
+
+    def used(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def begin_fill(self, key: str, model: str, nbytes: int, now: float) -> Path:
+        """Make room (LRU eviction), account the entry as filling; returns the directory to fill."""
+        assert key not in self.entries, key
+        for victim in choose_victims(list(self.entries.values()), nbytes, self.capacity):
+            self.evict(victim)
+        self.entries[key] = L2Entry(key, model, nbytes, FILLING, last_used=now)
+        self._attempt += 1
+        fill_dir = self.root / f".fill-{key}-{os.getpid()}-{self._attempt}"
+        shutil.rmtree(fill_dir, ignore_errors=True)
+        fill_dir.mkdir(mode=0o700)
+        return fill_dir
+
+    def finish_fill(self, key: str, fill_dir: Path, now: float) -> None:
+        entry = self.entries[key]
+        (fill_dir / _MARKER).write_text(json.dumps({"model": entry.model, "nbytes": entry.nbytes}))
+        shutil.rmtree(self.path(key), ignore_errors=True)
+        os.rename(fill_dir, self.path(key))
+        entry.state, entry.done, entry.last_used = READY, entry.nbytes, now
+        self.fills += 1
+
+    def abort_fill(self, key: str, fill_dir: Path) -> None:
+        shutil.rmtree(fill_dir, ignore_errors=True)
+        entry = self.entries.get(key)
+        if entry is not None and entry.state == FILLING:
+            del self.entries[key]
+
+    def evict(self, key: str) -> None:
+        entry = self.entries.pop(key)
+        assert entry.evictable, f"evicting {key} which is {entry.state} with pins {sorted(entry.pins)}"
+        shutil.rmtree(self.path(key), ignore_errors=True)
+        self.evictions += 1
+
+    def pin(self, key: str, holder: str, now: float) -> None:
+        entry = self.entries[key]
+        entry.pins.add(holder)
+        entry.last_used = now
+
+    def unpin(self, key: str, holder: str, now: float) -> None:
+        entry = self.entries.get(key)
+        if entry is not None and holder in entry.pins:
+            entry.pins.discard(holder)
+            entry.last_used = now
+
+    def clear(self) -> None:
+        """Remove every entry and the root (clean agent exit)."""
+        self.entries.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def status(self, now: float) -> L2Status:
+        return L2Status(capacity=self.capacity, used=self.used(), l3_bytes_read=self.l3_bytes_read,
+                        fills=self.fills, hits=self.hits, evictions=self.evictions,
+                        entries=[L2EntryStatus(model=e.model, nbytes=e.nbytes, state=e.state, pins=len(e.pins),
+                                               idle_s=round(max(0.0, now - e.last_used), 3),
+                                               progress=round(e.done / e.nbytes, 4) if e.nbytes else 1.0)
+                                 for e in self.entries.values()])
