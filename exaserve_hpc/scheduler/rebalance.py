@@ -96,6 +96,23 @@ def rebalance(plan: Plan, topology: Topology, catalogue: dict[str, ModelSpec], m
     return RebalanceDecision(occ.to_plan(plan.site, order, list(plan.unplaced)), moves, reason)
 
 
+def _spread_kept(counts: dict[str, int], src: str, dst: str) -> bool:
+    """Moving one replica from group src to dst keeps the model's spread across fault groups.
+
+    After the move every group stays within one of the fullest (or the spread
+    does not widen, where capacity had already made it wider), and src, which
+    gains room, is not left two or more below any group.
+    """
+    after = dict(counts)
+    after[src] -= 1
+    after[dst] += 1
+    before_spread = max(counts.values()) - min(counts.values())
+    after_spread = max(after.values()) - min(after.values())
+    if after_spread <= 1:
+        return True
+    return after_spread <= before_spread and after[src] >= max(after.values()) - 1
+
+
 def _best_move(occ: Occupancy, catalogue: dict[str, ModelSpec], worst: int, headroom: dict[int, float],
                busy: list[float], load: dict[str, float], next_index: dict[str, int]) -> Move | None:
     topo = occ.topology
@@ -108,15 +125,16 @@ def _best_move(occ: Occupancy, catalogue: dict[str, ModelSpec], worst: int, head
     destinations = sorted((i for i in headroom if i != worst),
                           key=lambda i: (-headroom[i], topo.latency_us(src.name, topo.nodes[i].name), i))
     src_group = occ.node_group[worst]
+    groups = sorted(set(occ.node_group))
     for a in candidates:
         spec = catalogue[a.model]
-        src_count = occ.model_count(a.model, src_group)
+        counts = {g: occ.model_count(a.model, g) for g in groups}
         for i in destinations:
             if headroom[i] <= before:
                 break  # sorted: no later destination has more headroom
             g = occ.node_group[i]
-            if g != src_group and occ.model_count(a.model, g) >= src_count:
-                continue  # would widen the spread
+            if g != src_group and not _spread_kept(counts, src_group, g):
+                continue
             gpus = occ.find_slot(i, spec)
             if gpus is None:
                 continue
