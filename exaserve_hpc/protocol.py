@@ -189,6 +189,10 @@ class EngineSettings(msgspec.Struct, omit_defaults=True):
     max_wait_ms: float = 50.0
     prefill_batch_size: int = 8
     decode_batch_size: int = 64
+    chunked_prefill: bool = True
+    prefill_chunk_tokens: int = 512
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "fp16"
     options: dict[str, float] = {}  # engine-specific knobs, passed as keyword arguments
 
 

@@ -96,7 +96,10 @@ def make_engine(spec: StartReplica, loaded: Optional[tuple[dict, dict]] = None):
     if settings.engine == "reference":
         from ..engine.reference import ReferenceEngine
         batching = dict(max_wait_ms=settings.max_wait_ms, prefill_batch_size=settings.prefill_batch_size,
-                        decode_batch_size=settings.decode_batch_size, **kwargs)
+                        decode_batch_size=settings.decode_batch_size, chunked_prefill=settings.chunked_prefill,
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                        enable_prefix_caching=settings.enable_prefix_caching,
+                        kv_cache_dtype=settings.kv_cache_dtype, replica_id=spec.replica_id, **kwargs)
         if loaded is None:
             return ReferenceEngine(spec.model_dir, **batching)
         return ReferenceEngine.from_weights(*loaded, **batching)

@@ -73,6 +73,18 @@ class ReplicaSlot:
                              load_bytes_total=self.l3_total + self.l1_total, load_source=self.load_source)
 
 
+def replica_env() -> dict[str, str]:
+    """The replica's environment: one BLAS thread each unless the operator chose otherwise.
+
+    Several replicas share a node's cores; OpenBLAS threads that spin waiting
+    for work make every replica's steps many times slower under contention.
+    """
+    env = dict(os.environ)
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(name, "1")
+    return env
+
+
 def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str) -> None:
     """Start the replica process; it reports on a pipe the agent reads without blocking."""
     read_fd, write_fd = os.pipe()
@@ -82,7 +94,7 @@ def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str) -> None:
     if weights_dir:
         command += ["--weights-dir", weights_dir, "--weights-source", source]
     try:
-        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=replica_env())
     finally:
         os.close(write_fd)
     slot.status_fd = read_fd
