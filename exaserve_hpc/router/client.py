@@ -62,13 +62,14 @@ class RouterClient:
                 if isinstance(message, RequestError):
                     finished = True
                     raise BackendError(message.status, message.code, message.message, message.retry_after)
+                finished = message.finished  # before the yield: the consumer may close us right after it
                 yield message
-                if message.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             self._queues.pop(request.request_id, None)
             if not finished and self._socket is not None and not self._socket.closed:
+                # The gateway closes streams inside a shielded scope, so this send survives a disconnect.
                 await self._socket.send(encode(Abort(request_id=request.request_id)))
 
     # ---------------------------------------------------------------- plumbing
