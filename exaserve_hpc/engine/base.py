@@ -16,6 +16,11 @@ Call protocol (one thread drives an engine; it is not thread-safe):
 4. ``abort(request_id)``: the request ends with reason "abort" in the next
    ``step()``; unknown or already finished ids are ignored.
 5. ``stats()`` for telemetry; ``shutdown()`` at the end (idempotent).
+
+This step protocol is what every backend implements. Callers that want
+``submit(request) -> async token chunks``, ``drain()`` and an engine running
+in its own thread wrap it in ``engine/async_engine.AsyncEngine``; the replica
+process drives the step protocol directly from its ZeroMQ loop.
 """
 
 from __future__ import annotations
