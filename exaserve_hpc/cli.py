@@ -90,12 +90,23 @@ def render_status(status: dict, url: str) -> None:
                        str(a["gpus"]))
     out.print(agents)
     replicas = Table(title="replicas")
-    for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts"):
+    for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts", "weights"):
         replicas.add_column(column)
     for r in status.get("replicas", []):
         replicas.add_row(r["replica_id"], r["model"], r["state"], str(r["node"] or "-"), str(r["pid"] or "-"),
-                         str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]))
+                         str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]),
+                         _weights_column(r))
     out.print(replicas)
+
+
+def _weights_column(replica: dict) -> str:
+    """Load progress while weights stream in (e.g. "l3 42%"), the source once loaded."""
+    progress, source = replica.get("load_progress"), replica.get("load_source") or ""
+    if progress is None:
+        return "-"
+    if progress < 1.0 and replica.get("state") in ("reserving", "loading"):
+        return f"{source or 'loading'} {progress:.0%}"
+    return source or "-"
 
 
 # ---------------------------------------------------------------- config
