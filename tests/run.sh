@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages for the tests that use real components (MPI, ...).
-DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev)
+# System packages for the tests that use real components: MPI, Slurm 22.05 + munge (the local test
+# cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves), Lmod.
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -25,7 +25,8 @@ import zmq
 from ..agent.lifecycle import ReplicaState
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, ReplicaEvent, Shutdown, StartReplica, decode, encode,
+    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, ReplicaEvent, Shutdown, StartReplica, StopReplica, decode,
+    encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
 
@@ -91,14 +92,26 @@ def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current:
 
 class Controller:
     def __init__(self, site: SiteConfig, router: ZmqRouter, host: str = "127.0.0.1", port: int = 0,
-                 clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None):
+                 clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
+                 curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0):
+        """curve: bootstrap.CurveKeys to make the control socket a CURVE server that admits only the job's
+        client key (None: plain TCP, the single-machine default). expected_agents: agent ids the bootstrap
+        saw; placement waits for all of them (at most placement_grace seconds) so the first agent to say
+        hello does not get every replica."""
         self.site = site
         self.router = router
         self.clock = clock
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self._auth = None
+        if curve is not None:
+            from ..bootstrap import secure_server
+            self._auth = secure_server(self.socket, curve, self.context)
         self.endpoint = bind(self.socket, host, port)
+        self.expected_agents = set(expected_agents or ())
+        self._placement_opens = clock() + placement_grace
+        self.lost_at: dict[str, float] = {}  # agent id -> clock() when declared lost (benchmarks read it)
         self.agents: dict[str, AgentRecord] = {}
         self.replicas: dict[str, ReplicaRecord] = {
             rid: ReplicaRecord(rid, model) for rid, model in desired_replicas(site)}
@@ -132,6 +145,8 @@ class Controller:
         if self._thread.is_alive():
             self._thread.join(5)
         self.socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
 
     # ---------------------------------------------------------------- status
 
@@ -151,6 +166,8 @@ class Controller:
                     {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
                      "state": "lost" if a.lost else "alive",
                      "heartbeat_age": round(self.clock() - a.last_seen, 3),
+                     "lost_since": (round(time.time() - (self.clock() - self.lost_at[a.agent_id]), 3)
+                                    if a.lost and a.agent_id in self.lost_at else None),
                      "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total}
                     for a in self.agents.values()
                 ],
@@ -218,6 +235,12 @@ class Controller:
                 record = self.replicas.get(status.replica_id)
                 if record is not None and record.agent_id == agent_id:
                     record.pid = status.pid
+                elif record is not None and not ReplicaState(status.state).terminal:
+                    # An agent declared lost came back (a stall, not a death) while its replica was
+                    # re-placed elsewhere: one copy must go, and it is the stale one.
+                    log.warning("agent %s still runs replica %s, now placed on %s; stopping the stale copy",
+                                agent_id, status.replica_id, record.agent_id)
+                    self._send(agent_id, StopReplica(replica_id=status.replica_id, drain_timeout=5.0))
         elif isinstance(message, ReplicaEvent):
             self._on_replica_event(agent_id, message, now)
 
@@ -250,6 +273,7 @@ class Controller:
             for agent in self.agents.values():
                 if not agent.lost and now - agent.last_seen > expiry:
                     agent.lost = True
+                    self.lost_at[agent.agent_id] = now
                     log.error("node %s lost: no heartbeat for %.1fs (%d x %.1fs)", agent.agent_id,
                               now - agent.last_seen, self.site.heartbeat.misses, self.site.heartbeat.interval)
                     for record in self.replicas.values():
@@ -265,6 +289,8 @@ class Controller:
             self._place(now)
 
     def _place(self, now: float) -> None:
+        if self.expected_agents - set(self.agents) and now < self._placement_opens:
+            return  # still waiting for agents the bootstrap announced
         live = [a.agent_id for a in self.agents.values() if not a.lost]
         current = {rid: r.agent_id for rid, r in self.replicas.items()}
         wanted = assign_replicas([(rid, r.model) for rid, r in self.replicas.items()], live, current,

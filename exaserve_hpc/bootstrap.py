@@ -1,0 +1,289 @@
+"""Bootstrap of one Slurm job: who am I (role by rank), who else is there (inventories), where is
+the controller and how do we trust it (address + CURVE keys in the job directory).
+
+    rank = detect_rank()                  # MPI rank under mpirun (mpi4py), else SLURM_PROCID, else 0 of 1
+    role = role_for(rank.rank)            # Role.CONTROLLER for rank 0, Role.AGENT otherwise
+    jobdir = JobDir(path)                 # files mode 0600, written atomically
+
+Exchange (`exchange_inventories` / `publish_controller` / `wait_for_controller`):
+  - under MPI: one comm.gather of inventories to rank 0 and one comm.bcast of the controller's
+    address and public key, then nothing collective ever again;
+  - otherwise: every rank writes inventory/rank-R.json, rank 0 waits (bounded) for them, then
+    writes controller.json; agents poll for a controller.json of *this* run (job id + restart
+    count), so a file left by the run before a requeue is never taken for the current one.
+After bootstrap a lost rank hangs or aborts nobody: liveness is the controller's heartbeats.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger("exaserve.bootstrap")
+
+MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+
+
+class BootstrapError(Exception):
+    """Bootstrap cannot complete; the message says which rank waited for what, and where."""
+
+
+class Role(enum.Enum):
+    CONTROLLER = "controller"  # rank 0: controller thread, router, gateway; also the agent of its own node
+    AGENT = "agent"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    size: int
+    node: str          # Slurm node name (SLURMD_NODENAME), else the hostname
+    job_id: str        # SLURM_JOB_ID, "local" outside Slurm
+    restart: int       # SLURM_RESTART_COUNT: 0 first run, +1 per requeue
+    source: str        # "mpi", "slurm" or "local"
+
+
+def role_for(rank: int) -> Role:
+    return Role.CONTROLLER if rank == 0 else Role.AGENT
+
+
+def under_mpi(env: Mapping[str, str]) -> bool:
+    """Launched by mpirun/mpiexec? Only then do we import mpi4py (its import initialises MPI)."""
+    return any(v in env for v in MPI_RANK_VARIABLES)
+
+
+def _mpi_comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def detect_rank(env: Optional[Mapping[str, str]] = None, comm: Any = None) -> RankInfo:
+    """MPI rank under MPI; SLURM_PROCID/SLURM_NTASKS under srun; rank 0 of 1 otherwise."""
+    env = os.environ if env is None else env
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    job_id = env.get("SLURM_JOB_ID", "local")
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if comm is None and under_mpi(env):
+        try:
+            comm = _mpi_comm()
+        except ImportError as exc:
+            raise BootstrapError(f"launched by MPI ({', '.join(v for v in MPI_RANK_VARIABLES if v in env)} is set) "
+                                 f"but mpi4py does not import: {exc}; pip install mpi4py") from exc
+    if comm is not None:
+        return RankInfo(comm.Get_rank(), comm.Get_size(), node, job_id, restart, "mpi")
+    if "SLURM_PROCID" in env:
+        return RankInfo(int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", "1")), node, job_id, restart, "slurm")
+    return RankInfo(0, 1, node, job_id, restart, "local")
+
+
+@dataclass
+class NodeInventory:
+    rank: int
+    node: str
+    hostname: str
+    pid: int
+    gpus: int = 0
+    gpu_names: list[str] = field(default_factory=list)
+    host_memory_total: int = 0
+
+    @classmethod
+    def probe(cls, rank: RankInfo) -> "NodeInventory":
+        from .agent.nvml_probe import host_memory, read_gpus
+        gpus, _ = read_gpus()
+        return cls(rank=rank.rank, node=rank.node, hostname=socket.gethostname(), pid=os.getpid(), gpus=len(gpus),
+                   gpu_names=[g.name for g in gpus], host_memory_total=host_memory()[0])
+
+
+@dataclass
+class ControllerInfo:
+    """What rank 0 publishes: where to connect and which key proves it is our controller."""
+    job_id: str
+    restart: int
+    endpoint: str                    # controller ROUTER, e.g. tcp://n1:40123
+    gateway_url: str = ""
+    server_public_key: str = ""      # Z85 CURVE key; "" when CURVE is off
+    nodes: list[str] = field(default_factory=list)  # every rank's node, by rank
+    published_at: float = 0.0
+
+
+# ---------------------------------------------------------------- job directory
+
+
+class JobDir:
+    """The job's directory on shared storage; every file we write in it is mode 0600."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def ensure(self) -> "JobDir":
+        self.path.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        for sub in ("inventory", "keys"):
+            (self.path / sub).mkdir(exist_ok=True)
+            os.chmod(self.path / sub, 0o700)
+        return self
+
+    def write_private(self, relative: str, data: bytes | str) -> Path:
+        """Atomically (temp file + rename, same directory) and created 0600 from the start."""
+        target = self.path / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        return target
+
+    def write_json(self, relative: str, obj: Any) -> Path:
+        return self.write_private(relative, json.dumps(obj, indent=1, sort_keys=True))
+
+    def read_json(self, relative: str) -> Optional[dict]:
+        try:
+            return json.loads((self.path / relative).read_text())
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def controller_file(self) -> Path:
+        return self.path / "controller.json"
+
+    @property
+    def stop_file(self) -> Path:
+        """Created by the batch script when Slurm's --signal arrives (time limit near)."""
+        return self.path / "stop-requested"
+
+
+# ---------------------------------------------------------------- CURVE keys
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Per-job keys: the controller's keypair, and one client keypair every agent of the job uses.
+
+    The controller accepts only that client key (ZAP), so reaching the port is not enough: a
+    peer must be able to read the job directory (mode 0700, files 0600).
+    """
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def curve_available() -> bool:
+    import zmq
+    return bool(zmq.has("curve"))
+
+
+def make_curve_keys(jobdir: JobDir) -> CurveKeys:
+    import zmq
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    keys = CurveKeys(server_public, server_secret, client_public, client_secret)
+    for name, value in (("server.key", server_secret), ("client.key", client_secret),
+                        ("server.pub", server_public), ("client.pub", client_public)):
+        jobdir.write_private(f"keys/{name}", value)
+    return keys
+
+
+def load_client_keys(jobdir: JobDir, server_public: str) -> CurveKeys:
+    keys = jobdir.path / "keys"
+    try:
+        return CurveKeys(server_public.encode(), b"", (keys / "client.pub").read_bytes(),
+                         (keys / "client.key").read_bytes())
+    except OSError as exc:
+        raise BootstrapError(f"the controller publishes a CURVE key but the client keys in {keys} cannot be read "
+                             f"({exc.strerror}); the job directory must be shared by every node") from exc
+
+
+def secure_server(sock, keys: CurveKeys, context) -> Any:
+    """Make a ROUTER a CURVE server that accepts only the job's client key; returns the authenticator."""
+    from zmq.auth.thread import ThreadAuthenticator
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    auth.configure_curve(domain="*", location=_public_key_dir(keys))
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+    return auth
+
+
+def _public_key_dir(keys: CurveKeys) -> str:
+    """zmq.auth reads allowed client keys from *.key files in ZPL format; give it one for our client."""
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="exaserve-curve-")
+    with open(os.path.join(directory, "client.key"), "w") as f:
+        f.write(f'metadata\ncurve\n    public-key = "{keys.client_public.decode()}"\n')
+    os.chmod(directory, 0o700)
+    return directory
+
+
+def secure_client(sock, keys: CurveKeys) -> None:
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+# ---------------------------------------------------------------- exchange
+
+
+def exchange_inventories(rank: RankInfo, jobdir: JobDir, inventory: NodeInventory, comm: Any = None,
+                         timeout: float = 60.0, poll: float = 0.2) -> list[NodeInventory]:
+    """Every rank hands in its inventory; rank 0 gets them all (others get []).
+
+    Under MPI: one gather. Otherwise through files; rank 0 waits at most `timeout` and proceeds with
+    the ranks that reported (a node that died during start-up must not stop the others).
+    """
+    if comm is not None:
+        gathered = comm.gather(asdict(inventory), root=0)
+        return [NodeInventory(**g) for g in gathered] if rank.rank == 0 else []
+    tag = f"{rank.job_id}.{rank.restart}"
+    jobdir.write_json(f"inventory/rank-{rank.rank}.json", {"run": tag, **asdict(inventory)})
+    if rank.rank != 0:
+        return []
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {}
+        for r in range(rank.size):
+            data = jobdir.read_json(f"inventory/rank-{r}.json")
+            if data and data.pop("run", None) == tag:
+                found[r] = NodeInventory(**data)
+        if len(found) == rank.size or time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+    missing = sorted(set(range(rank.size)) - set(found))
+    if missing:
+        log.warning("bootstrap: no inventory from rank(s) %s after %.0fs; continuing without them", missing, timeout)
+    return [found[r] for r in sorted(found)]
+
+
+def publish_controller(rank: RankInfo, jobdir: JobDir, info: ControllerInfo, comm: Any = None) -> None:
+    """Rank 0: controller.json (0600) for file readers, plus one bcast under MPI."""
+    info.published_at = time.time()
+    jobdir.write_json("controller.json", asdict(info))
+    if comm is not None:
+        comm.bcast(asdict(info), root=0)
+
+
+def wait_for_controller(rank: RankInfo, jobdir: JobDir, comm: Any = None, timeout: float = 300.0,
+                        poll: float = 0.2) -> ControllerInfo:
+    """Agents: the controller of *this* run (same job id and restart count)."""
+    if comm is not None:
+        return ControllerInfo(**comm.bcast(None, root=0))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = jobdir.read_json("controller.json")
+        if data and data.get("job_id") == rank.job_id and data.get("restart") == rank.restart:
+            return ControllerInfo(**data)
+        time.sleep(poll)
+    raise BootstrapError(f"rank {rank.rank} on {rank.node}: no controller.json for job {rank.job_id} restart "
+                         f"{rank.restart} in {jobdir.path} after {timeout:.0f}s; is rank 0 running? "
+                         f"(see the job's output file)")

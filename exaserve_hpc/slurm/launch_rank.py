@@ -1,0 +1,153 @@
+"""`exaserve launch`: what every rank of the Slurm job runs (srun starts one per node).
+
+    srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 exaserve launch --site S --job-dir D
+
+Rank 0 runs the router, the controller thread, the HTTP gateway, and the node agent of its own
+node (in a thread); every other rank runs its node's agent. The bootstrap (bootstrap.py) decides
+the role, exchanges inventories and publishes the controller's address and CURVE key in the
+job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
+
+Wire into the CLI with add_launch_arguments/cmd_launch; until then:
+`python -m exaserve_hpc.slurm.launch_rank ...` (what the rendered sbatch script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..bootstrap import (
+    BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available, detect_rank,
+    exchange_inventories, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
+    wait_for_controller, _mpi_comm,
+)
+from ..config import ConfigError, SiteConfig, load_site, resolve_site
+
+log = logging.getLogger("exaserve.launch")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--site", help="site name or YAML path; default $EXASERVE_SITE or local")
+    parser.add_argument("--job-dir", help="the job's shared directory (default $EXASERVE_JOB_DIR)")
+    parser.add_argument("--port", type=int, help="gateway port on rank 0 (default gateway.port; 0: any free port)")
+    parser.add_argument("--host", help="gateway address on rank 0 (default gateway.host)")
+    parser.add_argument("--no-curve", action="store_true", help="plain TCP control plane (CURVE is on by default)")
+    parser.add_argument("--bootstrap-timeout", type=float, default=60.0,
+                        help="seconds rank 0 waits for every rank's inventory")
+
+
+def _advertised(endpoint: str) -> str:
+    """A wildcard bind is published under this node's hostname, which other nodes can resolve."""
+    return endpoint.replace("tcp://0.0.0.0:", f"tcp://{socket.getfqdn()}:").replace("tcp://*:", f"tcp://{socket.getfqdn()}:")
+
+
+def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
+    from ..agent.node_agent import NodeAgent
+    agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node)
+    if keys is not None:
+        secure_client(agent.socket, keys)
+    return agent
+
+
+def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories: list[NodeInventory],
+                   args: argparse.Namespace, comm=None) -> int:
+    from ..launch import _gateway_server, build_router, ensure_checkpoints, listen_socket, write_state
+    from ..router.backend import ModelInfo
+    from ..router.client import RouterClient
+    from ..router.gateway import create_app
+    from ..scheduler.controller import Controller
+
+    keys = None
+    if not args.no_curve:
+        if curve_available():
+            keys = make_curve_keys(jobdir)
+        else:
+            log.warning("this libzmq has no CURVE support: the control plane runs unauthenticated")
+    ensure_checkpoints(site, show_progress=False)
+    host = args.host or site.gateway.host
+    listener = listen_socket(host, site.gateway.port if args.port is None else args.port)
+    url = f"http://{host}:{listener.getsockname()[1]}"
+    router = build_router(site)
+    nodes = [inv.node for inv in inventories]
+    controller = Controller(site, router, host=site.router.host, curve=keys, expected_agents=nodes,
+                            placement_grace=max(10.0, 3 * site.heartbeat.expiry)).start()
+    endpoint = _advertised(controller.endpoint)
+    own_agent = _make_agent(controller.endpoint, rank, site, keys)
+    agent_thread = threading.Thread(target=own_agent.run, name="exaserve-agent-rank0", daemon=True)
+    agent_thread.start()
+    publish_controller(rank, jobdir, ControllerInfo(
+        job_id=rank.job_id, restart=rank.restart, endpoint=endpoint, gateway_url=url,
+        server_public_key=keys.server_public.decode() if keys else "", nodes=nodes), comm)
+    write_state(jobdir.path, url, site)  # `exaserve status --run-dir JOBDIR` finds the gateway
+    print(f"exaserve: rank 0 on {rank.node}: controller {endpoint}, gateway {url}/v1, "
+          f"{len(nodes)}/{rank.size} ranks reported ({', '.join(nodes)})", flush=True)
+
+    created = int(time.time())
+    models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
+    client = RouterClient(router.frontend_endpoint, models, status=controller.status,
+                          ready=lambda: controller.serving_count() > 0)
+    server = _gateway_server(create_app(client, site), log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+                             timeout_graceful_shutdown=10, access_log=False)
+    try:
+        server.run(sockets=[listener])
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        print("exaserve: rank 0 stopping: draining replicas on every node", flush=True)
+        controller.shutdown(drain_timeout=10.0, wait=20.0)
+        agent_thread.join(20)
+        controller.stop()
+        router.stop()
+        listener.close()
+    return 0
+
+
+def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> int:
+    info = wait_for_controller(rank, jobdir, comm)
+    keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
+    agent = _make_agent(info.endpoint, rank, site, keys)
+    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"exaserve: rank {rank.rank} on {rank.node}: agent joined {info.endpoint}", flush=True)
+    return agent.run()
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    site = load_site(resolve_site(args.site))
+    rank = detect_rank()
+    comm = _mpi_comm() if rank.source == "mpi" else None
+    job_dir = args.job_dir or os.environ.get("EXASERVE_JOB_DIR") or str(site.run_path / "jobs" / rank.job_id)
+    jobdir = JobDir(Path(job_dir).expanduser()).ensure()
+    inventories = exchange_inventories(rank, jobdir, NodeInventory.probe(rank), comm, timeout=args.bootstrap_timeout)
+    try:
+        if role_for(rank.rank) is Role.CONTROLLER:
+            return run_controller(site, rank, jobdir, inventories, args, comm)
+        return run_agent(site, rank, jobdir, comm)
+    except BootstrapError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="exaserve launch", description="Run one rank of the exaserve job.")
+    add_launch_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return cmd_launch(args)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""`exaserve submit --site FILE [--nodes N] [--time T] [--option KEY=VALUE ...] [--dry-run]`.
+
+Renders sbatch/exaserve.sbatch from the site config and submits it with
+`sbatch --parsable`; prints the job id and the job directory. --dry-run
+prints the script instead. Exit codes: 0 submitted (or printed), 1 Slurm
+refused, 2 bad input. Wire into the CLI with add_submit_arguments/cmd_submit;
+until then: `python -m exaserve_hpc.slurm.submit ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..config import ConfigError, load_site, resolve_site
+from ..units import parse_duration
+from .client import SlurmError, slurm_client
+from .sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
+
+
+def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--site", help="site name or YAML path; default $EXASERVE_SITE or local")
+    parser.add_argument("--nodes", type=int, help="nodes to ask for (default: cluster.nodes)")
+    parser.add_argument("--time", help="time limit, e.g. 30m, 2h (default: cluster.time_limit)")
+    parser.add_argument("--job-root", help="where job directories go (default: RUN_DIR/jobs; must be shared)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"any sbatch template option: {', '.join(SBATCH_OPTIONS)}")
+    parser.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
+
+
+def _parse_option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SbatchOptionError(f"--option {text!r}: expected KEY=VALUE")
+    default = SBATCH_OPTIONS.get(key)
+    if isinstance(default, (list, tuple)):
+        return key, [v for v in value.split(",") if v]
+    if isinstance(default, int) and not isinstance(default, bool) or key in {"nodes", "time_limit"}:
+        return key, parse_duration(value) if key == "time_limit" else int(value)
+    return key, value
+
+
+def build_script(args: argparse.Namespace) -> tuple[str, dict]:
+    site_file = resolve_site(args.site)
+    site = load_site(site_file)
+    time_limit = parse_duration(args.time) if args.time else None
+    options = options_from_site(site, site_file, nodes=args.nodes, time_limit=time_limit,
+                                job_root=Path(args.job_root).expanduser().resolve() if args.job_root else None)
+    options.update(_parse_option(o) for o in args.option)
+    return render_sbatch(**options), options
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        script, options = build_script(args)
+    except (SbatchOptionError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        sys.stdout.write(script)
+        return 0
+    job_root = Path(options["job_root"])
+    job_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = job_root / f"{options['job_name']}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
+    path.write_text(script)
+    try:
+        job_id = slurm_client().submit(path)
+    except SlurmError as exc:
+        print(f"error: Slurm refused the job: {exc}\n  script: {path}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job_id}: {options['nodes']} node(s); job dir {job_root / str(job_id)}; "
+          f"log {job_root / f'exaserve-{job_id}.out'}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="exaserve submit", description="Submit the exaserve Slurm job.")
+    add_submit_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_submit(args)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The local Slurm test cluster, brought up once per session for tests marked `slurm`.
+
+Tests that need it take the `slurm_cluster` fixture: it runs tests/slurm/cluster.sh up (root,
+Debian's slurm-wlm and munge), points SLURM_CONF at it, and brings the cluster down at the end
+(EXASERVE_KEEP_CLUSTER=1 leaves it up). If it cannot come up the error carries the daemon logs;
+without root or Slurm the tests skip, which under CI=true is a failure (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from .fleet import SLURM_DIR, cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm test cluster needs root (tests/slurm/cluster.sh)")
+    missing = [c for c in ("slurmctld", "slurmd", "munged", "sbatch") if not shutil.which(c)
+               and not os.path.exists(f"/usr/sbin/{c}")]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(SLURM_DIR / "slurm.conf")
+    cluster("up")  # raises with slurmctld/slurmd logs if it cannot come up
+    yield SLURM_DIR
+    if not os.environ.get("EXASERVE_KEEP_CLUSTER"):
+        cluster("down", check=False)
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous

@@ -1,0 +1,199 @@
+"""Helpers for the end-to-end Slurm tests and benchmarks/bench_failover.py: submit the exaserve job on
+the local test cluster, wait until it serves, drive a steady request stream, kill and revive nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+SLURM_DIR = Path(os.environ.get("EXASERVE_SLURM_DIR", "/var/tmp/exaserve-slurm"))
+
+
+def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True, timeout=180)
+    if check and result.returncode != 0:
+        logs = subprocess.run(["bash", str(CLUSTER), "logs"], capture_output=True, text=True).stdout
+        raise RuntimeError(f"cluster.sh {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n"
+                           f"{result.stderr}\n{logs}")
+    return result
+
+
+def echo_site(directory: Path, replicas: int = 4, heartbeat: str = "2s", misses: int = 3) -> Path:
+    """slurm-local with echo replicas (the four virtual nodes share two cores) under `directory`."""
+    data = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
+    model = data["models"][0]
+    model.pop("tiny", None)
+    model.update(engine="echo", replicas=replicas)
+    data["weight_cache"]["l3_path"] = str(directory / "models")
+    data["run_dir"] = str(directory / "run")
+    data["heartbeat"] = {"interval": heartbeat, "misses": misses}
+    path = directory / "site.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@dataclass
+class Job:
+    job_id: int
+    job_root: Path
+
+    @property
+    def job_dir(self) -> Path:
+        return self.job_root / str(self.job_id)
+
+    @property
+    def output(self) -> Path:
+        return self.job_root / f"exaserve-{self.job_id}.out"
+
+    def log(self) -> str:
+        try:
+            return self.output.read_text()
+        except OSError:
+            return "(no job output yet)"
+
+    def url(self) -> Optional[str]:
+        try:
+            return json.loads((self.job_dir / "serve.json").read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url()}/v1/exaserve/status", timeout=10).json()
+
+    def cancel(self) -> None:
+        subprocess.run(["scancel", str(self.job_id)], capture_output=True)
+
+
+def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = ()) -> Job:
+    launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank --port 0"
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
+                             str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
+                             f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        raise RuntimeError(f"exaserve submit failed ({result.returncode}): {result.stderr}")
+    job_id = int(result.stdout.split("submitted job ")[1].split(":")[0])
+    return Job(job_id, job_root)
+
+
+def wait_serving(job: Job, agents: int, replicas: int, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline:
+        if job.url():
+            try:
+                status = job.status()
+            except (httpx.HTTPError, ValueError):
+                status = {}
+            alive = [a for a in status.get("agents", []) if a["state"] == "alive"]
+            serving = [r for r in status.get("replicas", []) if r["state"] == "serving"]
+            if len(alive) >= agents and len(serving) >= replicas:
+                return status
+        time.sleep(0.3)
+    raise AssertionError(f"job {job.job_id} not serving {replicas} replicas on {agents} agents in {timeout}s; "
+                         f"status {json.dumps(status)[:2000]}\njob output:\n{job.log()}")
+
+
+@dataclass
+class Outcome:
+    started: float
+    finished: float
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class RequestStream:
+    """`workers` threads, each sending one completion request every `interval` seconds, until stopped."""
+    url: str
+    workers: int = 4
+    interval: float = 0.05
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _worker(self, index: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                started = time.time()
+                try:
+                    response = client.post(f"{self.url}/v1/completions",
+                                            json={"model": "tiny-llama", "prompt": f"w{index} r{n}", "max_tokens": 8})
+                    ok = response.status_code == 200 and response.json()["choices"][0]["text"] != ""
+                    detail = "" if ok else f"{response.status_code} {response.text[:200]}"
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    ok, detail = False, repr(exc)
+                self.outcomes.append(Outcome(started, time.time(), ok, detail))
+                self._stop.wait(self.interval)
+
+    def start(self) -> "RequestStream":
+        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+@dataclass
+class FailoverTimings:
+    killed_at: float
+    detected_at: float      # controller declared the node lost
+    serving_at: float       # every replica serving again, none on the lost node
+    sent: int
+    completed: int
+
+    def report(self) -> str:
+        detected = f"{self.detected_at - self.killed_at:.2f}s" if self.detected_at else "never"
+        serving = f"{self.serving_at - self.killed_at:.2f}s" if self.serving_at else "never"
+        return (f"kill -> detected {detected}; kill -> serving again {serving}; "
+                f"requests sent {self.sent}, completed {self.completed}")
+
+
+def kill_and_watch(job: Job, node: str, replicas: int, stream: RequestStream, timeout: float = 90.0,
+                   settle: float = 3.0) -> tuple[FailoverTimings, dict]:
+    """Kill `node` while `stream` runs; return the timings and the final status."""
+    killed_at = time.time()
+    cluster("kill-node", node)
+    detected_at = serving_at = 0.0
+    status: dict = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = job.status()
+        agent = next((a for a in status["agents"] if a["agent_id"] == node), None)
+        if not detected_at and agent and agent["state"] == "lost":
+            detected_at = agent.get("lost_since") or time.time()
+        serving = [r for r in status["replicas"] if r["state"] == "serving" and r["node"] != node]
+        if detected_at and len(serving) >= replicas:
+            serving_at = time.time()
+            break
+        time.sleep(0.2)
+    time.sleep(settle)  # requests that were in flight at the move finish
+    stream.stop()
+    timings = FailoverTimings(killed_at, detected_at, serving_at, stream.sent,
+                              stream.sent - len(stream.failed))
+    return timings, status

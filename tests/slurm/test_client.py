@@ -1,0 +1,88 @@
+"""The CLI Slurm client against a recording fake runner: commands built, failures raised with their details."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exaserve_hpc.slurm.client import (
+    CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches, slurm_client,
+)
+from exaserve_hpc.slurm.states import JobState, NodeState
+
+SAMPLES = Path(__file__).parent / "samples"
+
+
+class FakeRunner:
+    def __init__(self, answers: dict[str, CommandResult]):
+        self.answers = answers
+        self.calls: list[list[str]] = []
+
+    def __call__(self, command, timeout):
+        self.calls.append(list(command))
+        for prefix, result in self.answers.items():
+            if " ".join(command).startswith(prefix):
+                return result
+        return CommandResult(0, "", "")
+
+
+def ok(text: str) -> CommandResult:
+    return CommandResult(0, text, "")
+
+
+def test_submit_passes_options_before_the_script_and_reads_the_id(tmp_path):
+    runner = FakeRunner({"sbatch": ok("42;exaserve-test\n")})
+    client = CliSlurmClient(runner)
+    assert client.submit(tmp_path / "job.sbatch", ["--exclude=n3"]) == 42
+    assert runner.calls == [["sbatch", "--parsable", "--exclude=n3", str(tmp_path / "job.sbatch")]]
+
+
+def test_failure_carries_command_exit_code_and_stderr(tmp_path):
+    runner = FakeRunner({"sbatch": CommandResult(1, "", "sbatch: error: invalid partition specified: gpu\n")})
+    with pytest.raises(SlurmCommandError) as info:
+        CliSlurmClient(runner).submit(tmp_path / "x", ["--partition=gpu"])
+    error = info.value
+    assert error.returncode == 1 and error.command[:3] == ["sbatch", "--parsable", "--partition=gpu"]
+    assert "invalid partition" in error.stderr and "exited with 1" in str(error)
+
+
+def test_requeue_excludes_the_dead_nodes_first():
+    runner = FakeRunner({})
+    CliSlurmClient(runner).requeue(7, exclude=["n3", "n4"])
+    assert runner.calls == [["scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"], ["scontrol", "requeue", "7"]]
+
+
+def test_jobs_and_nodes_come_back_as_our_enums():
+    runner = FakeRunner({"squeue --json": ok((SAMPLES / "squeue_after_node_loss.json").read_text()),
+                         "sinfo --json": ok((SAMPLES / "sinfo_node_down.json").read_text())})
+    client = CliSlurmClient(runner)
+    [job] = client.jobs([1])
+    assert job.state is JobState.RUNNING and job.nodes == ("n1", "n2", "n4")
+    assert client.jobs([99]) == []
+    down = [n.name for n in client.nodes() if n.state is NodeState.DOWN]
+    assert down == ["n3"]
+    assert runner.calls[-1] == ["sinfo", "--json"]
+
+
+def test_unknown_job_is_a_clear_error():
+    runner = FakeRunner({"scontrol show job": CommandResult(1, "", "slurm_load_jobs error: Invalid job id specified")})
+    with pytest.raises(SlurmError, match="unknown to slurmctld"):
+        CliSlurmClient(runner).job(99)
+
+
+def test_cancel_with_signal_to_the_batch_shell():
+    runner = FakeRunner({})
+    CliSlurmClient(runner).cancel(5, signal="USR1", batch_only=True)
+    assert runner.calls == [["scancel", "--signal=USR1", "--batch", "5"]]
+
+
+def test_backend_choice():
+    assert pyslurm_matches("22.5.1", "22.05.8") and not pyslurm_matches("25.11.0", "22.05.8")
+    runner = FakeRunner({"sinfo --version": ok("slurm-wlm 22.05.8\n")})
+    assert slurm_client("cli", runner).backend == "cli"
+    assert slurm_client("auto", runner).backend == "cli"  # pyslurm is absent or does not match here
+    with pytest.raises(SlurmError, match="pyslurm"):
+        slurm_client("pyslurm", runner)
+    with pytest.raises(ValueError, match="auto, cli, pyslurm"):
+        slurm_client("slurmrestd", runner)

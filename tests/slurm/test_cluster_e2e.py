@@ -1,0 +1,132 @@
+"""End to end on the local Slurm cluster: submit the real job, serve through the gateway, lose a node
+under load without failing a request. Marked slurm: under CI=true these must run."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from exaserve_hpc.slurm.client import CliSlurmClient
+from exaserve_hpc.slurm.states import JobState, NodeState
+
+from .fleet import Job, RequestStream, cluster, echo_site, kill_and_watch, submit, wait_serving
+
+pytestmark = [pytest.mark.slurm, pytest.mark.process]
+
+REPLICAS = 4
+
+
+def node_processes(node: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in env or f"EXASERVE_VNODE={node}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def fleet_job(slurm_cluster, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fleet")
+    site = echo_site(directory, replicas=REPLICAS, heartbeat="2s", misses=3)
+    job = submit(site, directory / "jobs", nodes=4)
+    try:
+        yield job
+    finally:
+        job.cancel()
+        client = CliSlurmClient()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if client.job(job.job_id).state.terminal:
+                    break
+            except Exception:
+                break
+            time.sleep(0.5)
+        for node in ("n1", "n2", "n3", "n4"):
+            cluster("revive-node", node, check=False)
+
+
+def test_submitted_job_serves_and_status_shows_four_agents_with_their_replicas(fleet_job: Job):
+    wait_serving(fleet_job, agents=4, replicas=REPLICAS)
+    assert CliSlurmClient().job(fleet_job.job_id).state is JobState.RUNNING
+    client = openai.OpenAI(base_url=f"{fleet_job.url()}/v1", api_key="unused", max_retries=0, timeout=30)
+    completion = client.completions.create(model="tiny-llama", prompt="hello cluster", max_tokens=5)
+    assert completion.choices[0].text == "hello"
+
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
+                             str(fleet_job.job_dir)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert sorted(a["agent_id"] for a in status["agents"]) == ["n1", "n2", "n3", "n4"]
+    assert {a["state"] for a in status["agents"]} == {"alive"}
+    by_node = sorted(r["node"] for r in status["replicas"] if r["state"] == "serving")
+    assert by_node == ["n1", "n2", "n3", "n4"], "one replica per node expected from a balanced placement"
+
+    # The control plane's address and keys are private to the job's owner.
+    for path in [fleet_job.job_dir / "controller.json", *sorted((fleet_job.job_dir / "keys").iterdir())]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    published = json.loads((fleet_job.job_dir / "controller.json").read_text())
+    assert published["server_public_key"] and published["nodes"] == ["n1", "n2", "n3", "n4"]
+
+
+def test_control_plane_refuses_a_peer_without_the_job_keys(fleet_job: Job):
+    """Knowing the port is not enough: an agent without the job's CURVE keys is never admitted."""
+    import zmq
+
+    from exaserve_hpc.protocol import AgentHello, encode
+
+    published = json.loads((fleet_job.job_dir / "controller.json").read_text())
+    context = zmq.Context()
+    intruder = context.socket(zmq.DEALER)
+    intruder.setsockopt(zmq.IDENTITY, b"n9")
+    intruder.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()  # a valid key, but not the job's
+    intruder.curve_serverkey, intruder.curve_publickey, intruder.curve_secretkey = (
+        published["server_public_key"].encode(), public, secret)
+    intruder.connect(published["endpoint"])
+    intruder.send(encode(AgentHello(agent_id="n9", hostname="n9", pid=1)))
+    time.sleep(2.0)
+    intruder.close()
+    context.term()
+    assert "n9" not in [a["agent_id"] for a in fleet_job.status()["agents"]]
+
+
+def test_node_lost_under_load_is_detected_replaced_and_no_request_fails(fleet_job: Job):
+    wait_serving(fleet_job, agents=4, replicas=REPLICAS)
+    stream = RequestStream(fleet_job.url(), workers=4, interval=0.05).start()
+    time.sleep(3)
+    timings, status = kill_and_watch(fleet_job, "n3", REPLICAS, stream)
+    print(f"\nfailover on the local cluster: {timings.report()}")
+    assert not node_processes("n3"), "kill-node left processes of n3 running"
+    heartbeat, misses = 2.0, 3
+    assert timings.detected_at, f"node n3 never declared lost; status {status}"
+    # Within 3 heartbeats, plus one controller tick and one heartbeat of slack for the shared cores.
+    assert timings.detected_at - timings.killed_at <= heartbeat * misses + 2.0, timings.report()
+    assert timings.serving_at, f"replicas not serving again; status {status}"
+    serving = [r for r in status["replicas"] if r["state"] == "serving"]
+    assert len(serving) == REPLICAS and "n3" not in {r["node"] for r in serving}
+    assert stream.sent > 50 and not stream.failed, [o.detail for o in stream.failed][:5]
+
+    # Slurm noticed too (SlurmdTimeout=10 s): the node is DOWN and the job runs on, shrunk to the survivors.
+    client = CliSlurmClient()
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        node, job = {n.name: n for n in client.nodes()}["n3"], client.job(fleet_job.job_id)
+        if node.state is NodeState.DOWN and "n3" not in job.nodes:
+            break
+        time.sleep(1)
+    assert node.state is NodeState.DOWN, node
+    assert job.state is JobState.RUNNING and job.nodes == ("n1", "n2", "n4"), job

@@ -1,0 +1,82 @@
+"""sbatch rendering: a golden file pins the script; the schema rejects unknown keys; the CLI renders from a site."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exaserve_hpc.config import load_site
+from exaserve_hpc.slurm.sbatch import SbatchOptionError, options_from_site, render_sbatch, slurm_duration
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden" / "exaserve-gpu.sbatch"
+
+GOLDEN_OPTIONS = dict(site_file="/proj/ai/exaserve/site.yaml", job_root="/scratch/ai/exaserve/jobs",
+                      job_name="exaserve-exa", nodes=16, time_limit=24 * 3600, partition="gpu", account="ai-platform",
+                      qos="serving", modules=["cuda/12.4", "openmpi/4.1"], launcher="exaserve launch")
+
+
+def test_rendered_script_matches_the_golden_file():
+    text = render_sbatch(**GOLDEN_OPTIONS)
+    if os.environ.get("EXASERVE_REGEN_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "rendering changed; if intended, rerun with EXASERVE_REGEN_GOLDEN=1"
+
+
+def test_the_script_carries_the_fault_tolerance_options():
+    text = render_sbatch(**GOLDEN_OPTIONS)
+    for line in ("#SBATCH --no-kill", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", "#SBATCH --nodes=16",
+                 "#SBATCH --time=1-00:00:00", "#SBATCH --account=ai-platform", "#SBATCH --qos=serving",
+                 "#SBATCH --partition=gpu", "module load cuda/12.4 openmpi/4.1"):
+        assert line in text
+    assert "srun --no-kill --kill-on-bad-exit=0" in text and "--ntasks-per-node=1" in text
+    result = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_keys_are_rejected_with_the_valid_ones_listed():
+    with pytest.raises(SbatchOptionError) as info:
+        render_sbatch(**GOLDEN_OPTIONS, gpus_per_task=1)
+    message = str(info.value)
+    assert "gpus_per_task" in message and "partition (default None)" in message and "nodes (default 1)" in message
+    with pytest.raises(SbatchOptionError, match="site_file is required"):
+        render_sbatch(job_root="/x")
+    with pytest.raises(SbatchOptionError, match="nodes must be"):
+        render_sbatch(site_file="/s", job_root="/x", nodes=0)
+
+
+def test_optional_directives_are_left_out_when_unset():
+    text = render_sbatch(site_file="/s.yaml", job_root="/j")
+    assert "--account" not in text and "--qos" not in text and "--time" not in text and "module load" not in text
+
+
+@pytest.mark.parametrize("seconds, expected", [(60, "1:00"), (1800, "30:00"), (3600, "1:00:00"),
+                                               (5400, "1:30:00"), (90000, "1-01:00:00"), (61, "2:00")])
+def test_slurm_duration(seconds, expected):
+    assert slurm_duration(seconds) == expected
+
+
+def test_options_from_the_site_config(tmp_path):
+    data = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
+    data["cluster"].update(account="proj1", qos="normal", modules=["openmpi"])
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(data))
+    options = options_from_site(load_site(path), path, nodes=2)
+    assert options["nodes"] == 2 and options["account"] == "proj1" and options["modules"] == ["openmpi"]
+    assert options["time_limit"] == 1800 and options["partition"] == "debug"
+
+
+def test_submit_dry_run_and_bad_option_exit_codes(tmp_path):
+    command = [sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", "slurm-local", "--dry-run",
+               "--job-root", str(tmp_path), "--time", "10m", "--nodes", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --nodes=3" in result.stdout and "#SBATCH --time=10:00" in result.stdout
+    assert f"--output={tmp_path}/exaserve-%j.out" in result.stdout
+    bad = subprocess.run(command + ["--option", "colour=red"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "colour" in bad.stderr and "valid:" in bad.stderr
