@@ -208,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         plan.set_defaults(func=cmd_plan)
 
     from .router.admin_api import add_rollout_arguments, cmd_rollout
+    from .slurm.launch_rank import add_launch_arguments, cmd_launch
+    from .slurm.submit import add_submit_arguments, cmd_submit
+
+    submit = commands.add_parser("submit", help="render the sbatch script from a site config and submit it")
+    add_submit_arguments(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    launch = commands.add_parser("launch", help="one rank of a Slurm job: controller on rank 0, node agent elsewhere "
+                                                "(the sbatch script runs this under srun)")
+    add_launch_arguments(launch)
+    launch.set_defaults(func=cmd_launch)
 
     rollout = commands.add_parser("rollout", help="canary rollout of a model version: start, promote, rollback")
     add_rollout_arguments(rollout)
