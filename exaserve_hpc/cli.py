@@ -158,7 +158,7 @@ def cmd_model_verify(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         err.print(f"[red]verification failed[/]: {exc}", highlight=False)
         return 1
-    out.print(f"{args.dir}: every file matches its manifest (size, sha256, md5)", highlight=False)
+    out.print(f"{args.dir}: every file matches its manifest (size and every recorded digest: blake3, sha256, md5)", highlight=False)
     return 0
 
 

@@ -1,5 +1,8 @@
 """L3 -> L2 copy: verified against the manifest, refused on mismatch; L2 -> L1 loads the same weights."""
 
+import json
+import os
+import re
 import threading
 
 import numpy as np
@@ -24,8 +27,10 @@ def test_copy_then_l1_load_gives_the_same_weights_as_a_direct_read(ckpt, tmp_pat
     dst = tmp_path / "l2"
     dst.mkdir()
     seen = []
-    n = copy_verified(ckpt, dst, progress=lambda d, t: seen.append((d, t)), digests=("sha256", "md5"), workers=2)
+    n = copy_verified(ckpt, dst, progress=lambda d, t: seen.append((d, t)), digests=("sha256", "md5"))
     assert n == manifest_bytes(ckpt) and seen[-1] == (n, n)
+    for name in json.loads((ckpt / "manifest.json").read_text())["files"]:
+        assert (dst / name).read_bytes() == (ckpt / name).read_bytes()
     config, weights = load_from_l2(dst)
     want_config, want = load_checkpoint(ckpt)
     assert config == want_config and set(weights) == set(want)
@@ -34,17 +39,53 @@ def test_copy_then_l1_load_gives_the_same_weights_as_a_direct_read(ckpt, tmp_pat
         assert weights[name].flags.writeable and weights[name].base is None  # a private copy, not a view of L2
 
 
-@pytest.mark.parametrize("digest", ["sha256", "md5"])
-def test_a_corrupt_shard_is_refused_with_the_file_and_both_hashes(ckpt, tmp_path, digest):
-    shard = ckpt / "model-00002-of-00003.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+def flip_byte(path, where):
+    data = bytearray(path.read_bytes())
+    data[where] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("digest", [None, "sha256", "md5"])  # None: the manifest's read digest, BLAKE3
+@pytest.mark.parametrize("where", [0, -1])
+def test_a_corrupt_shard_is_refused_with_the_file_and_both_hashes(ckpt, tmp_path, digest, where):
+    name = "model-00002-of-00003.safetensors"
+    want = json.loads((ckpt / "manifest.json").read_text())["files"][name][digest or "blake3"]
+    flip_byte(ckpt / name, where)
     dst = tmp_path / "l2"
     dst.mkdir()
     with pytest.raises(ChecksumError) as info:
-        copy_verified(ckpt, dst, digests=(digest,))
-    assert "model-00002-of-00003.safetensors is corrupt" in str(info.value) and f"{digest} expected" in str(info.value)
+        copy_verified(ckpt, dst, digests=(digest,) if digest else None)
+    message = str(info.value)
+    assert f"{name} is corrupt: {digest or 'blake3'} expected {want}, actual " in message
+    assert len([s for s in re.findall(r"[0-9a-f]{32,}", message) if len(s) == len(want)]) == 2, message
+
+
+def test_a_manifest_without_blake3_is_checked_with_sha256(ckpt, tmp_path, caplog):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for entry in manifest["files"].values():
+        del entry["blake3"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    dst = tmp_path / "l2"
+    dst.mkdir()
+    with caplog.at_level("WARNING", logger="exaserve.checkpoint"):
+        assert copy_verified(ckpt, dst) == manifest_bytes(ckpt)
+    assert any("check sha256 instead" in r.getMessage() for r in caplog.records)
+    flip_byte(ckpt / "model-00003-of-00003.safetensors", 100)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(ChecksumError, match="model-00003-of-00003.safetensors is corrupt: sha256 expected"):
+        copy_verified(ckpt, tmp_path / "again")
+
+
+def test_chunks_larger_than_the_copy_buffer_are_copied_whole(ckpt, tmp_path, monkeypatch):
+    import exaserve_hpc.cache.l3_store as l3_store
+    monkeypatch.setattr(l3_store, "CHUNK", 4096)  # every shard spans many chunks and buffers
+    dst = tmp_path / "l2"
+    dst.mkdir()
+    chunks = []
+    copy_verified(ckpt, dst, on_chunk=chunks.append)
+    assert max(chunks) == 4096 and sum(chunks) == manifest_bytes(ckpt)
+    for name in json.loads((ckpt / "manifest.json").read_text())["files"]:
+        assert (dst / name).read_bytes() == (ckpt / name).read_bytes()
 
 
 def test_a_truncated_file_is_refused_before_reading(ckpt, tmp_path):
@@ -59,3 +100,18 @@ def test_cancel_stops_the_copy(ckpt, tmp_path):
     cancel.set()
     with pytest.raises(LoadCancelled):
         copy_verified(ckpt, tmp_path, cancel=cancel)
+
+
+def test_a_failed_l2_write_surfaces_and_leaks_no_descriptor(ckpt, tmp_path, monkeypatch):
+    import exaserve_hpc.cache.l3_store as l3_store
+
+    def no_space(fd, view, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(l3_store, "_write_all", no_space)
+    before = len(os.listdir("/proc/self/fd"))
+    dst = tmp_path / "l2"
+    dst.mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        copy_verified(ckpt, dst)
+    assert len(os.listdir("/proc/self/fd")) == before

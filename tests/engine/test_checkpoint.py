@@ -1,8 +1,11 @@
 """Model repository: tiny checkpoints, manifests, verification, loading."""
 
 import json
+import logging
 import os
+import re
 
+import blake3
 import numpy as np
 import pytest
 
@@ -59,24 +62,55 @@ def test_manifest_lists_every_other_file_with_sums(ckpt):
     assert set(manifest["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
     entry = manifest["files"]["config.json"]
     assert entry["size"] == (ckpt / "config.json").stat().st_size
-    assert len(entry["sha256"]) == 64 and len(entry["md5"]) == 32
+    assert len(entry["blake3"]) == 64 and len(entry["sha256"]) == 64 and len(entry["md5"]) == 32
+    assert entry["blake3"] == blake3.blake3((ckpt / "config.json").read_bytes()).hexdigest()
     verify_checkpoint(ckpt)
+
+
+def sums_in(message, expected, digest):
+    """(expected sum named, some other sum of the same length named: the actual one)."""
+    words = re.findall(r"[0-9a-f]{32,}", message)
+    return expected[digest] in words, any(len(w) == len(expected[digest]) and w not in expected.values()
+                                          for w in words)
 
 
 def test_flipped_byte_raises_checksum_error_naming_file_and_sums(ckpt):
     expected = json.loads((ckpt / "manifest.json").read_text())["files"][SHARD1]
     flip_last_byte(ckpt / SHARD1)
-    for check in (verify_checkpoint, load_checkpoint):
+    for check, digests in ((verify_checkpoint, ("blake3", "sha256", "md5")), (load_checkpoint, ("blake3",))):
         with pytest.raises(ChecksumError) as info:
             check(ckpt)
         message = str(info.value)
         assert SHARD1 in message
-        assert expected["sha256"] in message and expected["md5"] in message
-        actual = [w for w in message.replace(";", " ").replace(".", " ").split()
-                  if len(w) == 64 and w != expected["sha256"]]
-        assert actual, message  # the actual sha256 is there too
+        for digest in digests:
+            assert f"{digest} expected" in message
+            assert sums_in(message, expected, digest) == (True, True), message
     config, weights = load_checkpoint(ckpt, verify=False)  # unverified load still reads
     assert "norm" in weights or "lm_head" in weights
+
+
+def drop_blake3(ckpt):
+    """Rewrite the manifest as exaserve wrote it before BLAKE3 (sha256 and md5 only)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for entry in manifest["files"].values():
+        del entry["blake3"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return manifest["files"]
+
+
+def test_a_manifest_without_blake3_still_loads_checking_sha256_and_says_so_once(ckpt, caplog):
+    files = drop_blake3(ckpt)
+    with caplog.at_level(logging.WARNING, logger="exaserve.checkpoint"):
+        config, weights = load_checkpoint(ckpt)
+        load_checkpoint(ckpt)
+    assert config == spec_config(SMALL)
+    fallback = [r.getMessage() for r in caplog.records if "no blake3 digests" in r.getMessage()]
+    assert len(fallback) == 1 and str(ckpt) in fallback[0] and "check sha256 instead" in fallback[0]
+    verify_checkpoint(ckpt)  # sha256 and md5 only
+    flip_last_byte(ckpt / SHARD1)
+    with pytest.raises(ChecksumError) as info:
+        load_checkpoint(ckpt)
+    assert "sha256 expected" in str(info.value) and sums_in(str(info.value), files[SHARD1], "sha256") == (True, True)
 
 
 def test_missing_manifest_is_a_checkpoint_error_with_advice(ckpt):
