@@ -17,7 +17,7 @@ Who sends what:
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import msgspec
 
@@ -246,6 +246,8 @@ Message = Union[
     Prefetch, LoadFailed,
 ]
 
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -259,4 +261,21 @@ def decode(frame: bytes) -> Message:
     return _decoder.decode(frame)
 
 
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+def receive_pending(socket, limit: int, log) -> Iterator[Message]:
+    """Decode the frames already waiting on a DEALER socket, at most `limit` (no waiting).
+
+    A frame that does not decode is logged and skipped: one bad peer must not
+    stop a process that serves others.
+    """
+    import zmq
+
+    for _ in range(limit):
+        try:
+            frame = socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            yield _decoder.decode(frame)
+        except DecodeError as exc:
+            log.warning("dropping an undecodable message: %s", exc)
+

@@ -34,8 +34,8 @@ from ..cache.checkpoint import CheckpointError
 from ..cache.l2_shm import L2Cache, L2Full
 from ..cache.l3_store import manifest_bytes
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
-    StopReplica, decode, encode,
+    AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
+    StopReplica, encode, receive_pending,
 )
 from ..units import format_size, parse_size
 from . import faults
@@ -160,16 +160,7 @@ class NodeAgent:
     # ---------------------------------------------------------------- commands
 
     def _receive(self) -> None:
-        while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frame)
-            except DecodeError as exc:
-                log.warning("undecodable command: %s", exc)
-                continue
+        for message in receive_pending(self.socket, 1000, log):
             if isinstance(message, StartReplica):
                 self.start(message)
             elif isinstance(message, StopReplica):

@@ -30,8 +30,8 @@ from typing import Optional
 import zmq
 
 from ..protocol import (
-    Abort, DecodeError, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
-    StartReplica, TokenChunk, decode, encode,
+    Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
+    StartReplica, TokenChunk, decode, encode, receive_pending,
 )
 from ..cache.tiers import load_weights
 from . import faults
@@ -205,16 +205,7 @@ class ReplicaServer:
                 return
 
     def _receive(self) -> None:
-        for _ in range(256):
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frame)
-            except DecodeError as exc:
-                log.warning("dropping undecodable message: %s", exc)
-                continue
+        for message in receive_pending(self.socket, 256, log):
             if isinstance(message, GenerateRequest):
                 self._admit(message)
             elif isinstance(message, Abort):
