@@ -99,29 +99,42 @@ class PrefixAffinity(PolicyBase):
 
     def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
               key: Optional[RoutingKey] = None) -> Decision:
+        # The hot path of every request: `cost` is called inline-free through a local, the
+        # candidate list is built without intermediate lists (profiled: half of `route` was
+        # list/dict building and attribute lookups, not the policy).
         s = self.settings
-        lookup = getattr(candidates, "get", None) or {c.replica_id: c for c in candidates}.get
         matches: list[tuple[str, int]] = []
+        pool = candidates if isinstance(candidates, ReplicaPool) else None
         if key is not None and key.block_hashes:
-            allowed = candidates if isinstance(candidates, ReplicaPool) else {c.replica_id for c in candidates}
+            allowed = pool if pool is not None else {c.replica_id for c in candidates}
             matches = self.index.match(key.block_hashes, allowed, exclude, limit=s.matches)
-            matches = [(r, d) for r, d in matches if d >= s.min_match_blocks]
+            if s.min_match_blocks > 1:
+                matches = [(r, d) for r, d in matches if d >= s.min_match_blocks]
         drawn = self.balance.sample(candidates, exclude, s.weights.samples)
         if not matches and not drawn:
             return Decision(None, reason="none")
         prompt = key.prompt_tokens if key is not None else 0
         size = key.block_size if key is not None else s.block_size
-        depth_of = dict(matches)
         mean = mean_latency_ms(candidates)
+        cost = self.cost
         best, best_depth, best_rank = None, 0, None
-        for c, depth in [(lookup(r), d) for r, d in matches] + [(c, 0) for c in drawn
-                                                                if c.replica_id not in depth_of]:
-            rank = (self.cost(c, max(0, prompt - depth * size), mean), -depth, c.replica_id)
+        if matches:
+            lookup = pool.get if pool is not None else {c.replica_id: c for c in candidates}.get
+            for r, depth in matches:
+                c = lookup(r)
+                rank = (cost(c, max(0, prompt - depth * size), mean), -depth, r)
+                if best_rank is None or rank < best_rank:
+                    best, best_depth, best_rank = c, depth, rank
+        for c in drawn:
+            r = c.replica_id
+            if matches and any(r == m for m, _ in matches):
+                continue
+            rank = (cost(c, prompt, mean), 0, r)
             if best_rank is None or rank < best_rank:
-                best, best_depth, best_rank = c, depth, rank
+                best, best_depth, best_rank = c, 0, rank
         reason = "affinity" if best_depth else ("spill" if matches else "balance")
         if reason == "balance" and len(drawn) > 1 and self.balance.rng.random() < s.weights.explore:
-            best = max(drawn, key=lambda c: (self.cost(c, prompt, mean), c.replica_id))  # the probe share
+            best = max(drawn, key=lambda c: (cost(c, prompt, mean), c.replica_id))  # the probe share
         return Decision(best.replica_id, best_depth, reason)
 
     def commit(self, decision: Decision, key: Optional[RoutingKey]) -> None:

@@ -55,6 +55,9 @@ class ReplicaPool:
         self._items: list[ReplicaLoad] = []
         self._pos: dict[str, int] = {}
         self.latency_sum_ms = 0.0
+        # The same list object for the pool's lifetime (removal swaps in place), so a policy may
+        # index it directly: `pool[i]` through __getitem__ costs a Python call per draw.
+        self.members = self._items
 
     def add(self, load: ReplicaLoad) -> None:
         if load.replica_id in self._pos:
@@ -197,20 +200,30 @@ class PowerOfTwo(PolicyBase):
 
     def sample(self, candidates: Sequence[ReplicaLoad], exclude: Container[str], k: int) -> list[ReplicaLoad]:
         """Up to k distinct usable candidates drawn at random."""
-        n = len(candidates)
-        picked: dict[str, ReplicaLoad] = {}
+        items = candidates.members if isinstance(candidates, ReplicaPool) else candidates
+        n = len(items)
+        if n == 0:
+            return []
+        # randrange(n) inlined (same draws, same stream): its two Python-level calls cost more than the rest.
+        getrandbits, bits = self.rng.getrandbits, n.bit_length()
+        picked: list[ReplicaLoad] = []
+        ids: list[str] = []
         for _ in range(4 * k + 4):
-            if len(picked) >= k or n == 0:
-                break
-            c = candidates[self.rng.randrange(n)]
-            if c.replica_id not in exclude:
-                picked[c.replica_id] = c
-        if len(picked) < k and len(picked) < n:  # many excluded: scan the rest (rare)
-            rest = [c for c in candidates if c.replica_id not in exclude and c.replica_id not in picked]
+            i = getrandbits(bits)
+            while i >= n:
+                i = getrandbits(bits)
+            c = items[i]
+            rid = c.replica_id
+            if rid not in exclude and rid not in ids:
+                picked.append(c)
+                ids.append(rid)
+                if len(picked) >= k:
+                    return picked
+        if len(picked) < n:  # many excluded: scan the rest (rare)
+            rest = [c for c in items if c.replica_id not in exclude and c.replica_id not in ids]
             self.rng.shuffle(rest)
-            for c in rest[:k - len(picked)]:
-                picked[c.replica_id] = c
-        return list(picked.values())
+            picked += rest[:k - len(picked)]
+        return picked
 
     def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
                key: Optional[RoutingKey] = None) -> Optional[str]:

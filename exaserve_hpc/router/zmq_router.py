@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_MS = 50
+SEND_BATCH = 64  # replies held back at most while a burst of incoming messages is handled
 
 # The hot path calls the Cython socket methods with int flags: pyzmq's sugar
 # (send_multipart, enum flags) costs about 3 us a message, as much as the routing.
@@ -136,29 +137,50 @@ class ZmqRouter:
                     self._snapshot = self.dispatcher.snapshot()
                 next_tick = now + POLL_MS / 1000
 
-    def _drain_socket(self, sock: zmq.Socket, handler: Callable[[bytes, bytes], list[Outgoing]]) -> None:
-        for _ in range(1000):  # bounded, so one busy side cannot starve the other
-            try:
-                peer = _recv_frame(sock, _NOBLOCK)
-            except zmq.Again:
-                return
-            frames = 1
-            payload = b""
-            while _sockopt(sock, _RCVMORE):  # the rest of a multipart message is already here
-                payload = _recv_frame(sock, _NOBLOCK)
-                frames += 1
-            if frames != 2:
-                log.warning("dropping a message of %d frames (expected identity + payload)", frames)
-                continue
-            try:
-                self._send(handler(peer, payload))
-            except DecodeError as exc:
-                log.warning("dropping an undecodable message from %r: %s", peer[:32], exc)
-            except Exception:  # a bug in one message must not stop the router serving the others
-                log.exception("router failed on a message from %r", peer[:32])
-            self.messages_routed += 1
+    def _drain_socket(self, sock: zmq.Socket, handler: Callable[[bytes, memoryview], list[Outgoing]]) -> None:
+        # Replies are sent in batches of up to SEND_BATCH messages rather than one by one:
+        # libzmq wakes its I/O thread (a write(2) on an eventfd) whenever a pipe goes from
+        # empty to non-empty, and back-to-back sends find it still awake. Profiled: those
+        # writes were a fifth of the router thread's time when every reply was sent at once.
+        out: list[Outgoing] = []
+        try:
+            for _ in range(1000):  # bounded, so one busy side cannot starve the other
+                try:
+                    peer = _recv_frame(sock, _NOBLOCK)
+                except zmq.Again:
+                    return
+                # A ROUTER socket always delivers the identity with at least one frame behind it.
+                # The payload comes as a Frame: its `more` flag is a C attribute, where
+                # get(RCVMORE) builds a SocketOption enum in Python (~0.7 us a message, profiled).
+                frame = _recv_frame(sock, _NOBLOCK, False)
+                if frame.more:
+                    frames = 2
+                    while _sockopt(sock, _RCVMORE):  # the rest of a multipart message is already here
+                        _recv_frame(sock, _NOBLOCK)
+                        frames += 1
+                    log.warning("dropping a message of %d frames (expected identity + payload)", frames)
+                    continue
+                try:
+                    out += handler(peer, frame.buffer)
+                except DecodeError as exc:
+                    log.warning("dropping an undecodable message from %r: %s", peer[:32], exc)
+                except Exception:  # a bug in one message must not stop the router serving the others
+                    log.exception("router failed on a message from %r", peer[:32])
+                self.messages_routed += 1
+                if len(out) >= SEND_BATCH:
+                    self._send_all(out)
+                    out = []
+        finally:
+            if out:
+                self._send_all(out)
 
-    def _on_frontend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
+    def _send_all(self, outgoing: list[Outgoing]) -> None:
+        try:
+            self._send(outgoing)
+        except Exception:  # as for a message's handler: one bad reply must not stop the router
+            log.exception("router failed sending %d message(s)", len(outgoing))
+
+    def _on_frontend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
         message = decode(payload)
         if isinstance(message, GenerateRequest):
             return self.dispatcher.on_request(peer, message, self.clock())
@@ -167,7 +189,7 @@ class ZmqRouter:
         log.warning("unexpected %s on the router frontend", type(message).__name__)
         return []
 
-    def _on_backend(self, peer: bytes, payload: bytes) -> list[Outgoing]:
+    def _on_backend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
         message = decode(payload)
         replica_id = peer.decode(errors="replace")
         if isinstance(message, ReplicaHello) and message.kv_events_endpoint:
