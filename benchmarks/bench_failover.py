@@ -1,18 +1,24 @@
 """Node failure on the local Slurm cluster: time from kill to detection and to serving again, and
 requests sent vs completed across it (completed must equal sent).
 
-    sudo python benchmarks/bench_failover.py [--rounds 3] [--heartbeat 2s] [--workers 4]
+    sudo python benchmarks/bench_failover.py [--rounds 3] [--heartbeat 2s] [--workers 4] [--replace]
 
 Brings tests/slurm/cluster.sh up (root), submits the real exaserve job (4 nodes, echo replicas),
 drives a steady request stream through the gateway and kills one node (never rank 0's n1); each
 round is a fresh job on a whole cluster. Prints one line per round plus medians.
+
+--replace: a 3-node job started with --replace-lost-nodes (one replica per node at most) on the
+4-node cluster; also times kill -> companion job queued -> replacement agent joined -> every
+replica serving again on the planned number of nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +27,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 
-from fleet import SLURM_DIR, RequestStream, cluster, echo_site, kill_and_watch, submit, wait_serving  # noqa: E402
+from fleet import (  # noqa: E402
+    SLURM_DIR, RequestStream, cluster, echo_site, kill_and_watch, kill_and_watch_replacement, replacement_site, submit,
+    wait_serving,
+)
+
+
+def replace_rounds(args) -> int:
+    results = []
+    for round_ in range(args.rounds):
+        directory = Path(tempfile.mkdtemp(prefix="bench-replace-"))
+        site = replacement_site(directory, replicas=3, heartbeat=args.heartbeat, misses=args.misses)
+        cluster("up")
+        job = submit(site, directory / "jobs", nodes=3, launcher_args="--replace-lost-nodes --capacity-floor 0")
+        node = None
+        try:
+            wait_serving(job, agents=3, replicas=3)
+            nodes = json.loads((job.job_dir / "controller.json").read_text())["nodes"]
+            node = nodes[-1]
+            stream = RequestStream(job.url(), workers=args.workers, interval=0.05).start()
+            time.sleep(3)
+            timings, _ = kill_and_watch_replacement(job, node, nodes, 3, stream)
+        finally:
+            job.cancel()
+            subprocess.run(["scancel", f"--name=exaserve-replace-{job.job_id}"], capture_output=True)
+            if node:
+                cluster("revive-node", node, check=False)
+        results.append(timings)
+        print(f"round {round_ + 1}: job {job.job_id}, killed {node}: {timings.report()}", flush=True)
+    if not results or not all(r.restored_at for r in results):
+        print("some round never got its capacity back")
+        return 1
+
+    def median(attr: str) -> float:
+        return statistics.median(getattr(r, attr) - r.killed_at for r in results)
+    sent, completed = sum(r.sent for r in results), sum(r.completed for r in results)
+    print(f"median over {len(results)} rounds (heartbeat {args.heartbeat} x {args.misses}): kill -> detected "
+          f"{median('detected_at'):.2f}s, -> companion job {median('submitted_at'):.2f}s, -> replacement joined "
+          f"{median('joined_at'):.2f}s, -> all replicas serving {median('restored_at'):.2f}s; requests sent {sent}, "
+          f"completed {completed}")
+    return 0 if sent == completed else 1
 
 
 def main() -> int:
@@ -31,9 +76,12 @@ def main() -> int:
     parser.add_argument("--misses", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--replace", action="store_true", help="time a replacement allocation instead")
     args = parser.parse_args()
     os.environ["SLURM_CONF"] = str(SLURM_DIR / "slurm.conf")
     cluster("up")
+    if args.replace:
+        return replace_rounds(args)
     results = []
     for round_ in range(args.rounds):
         node = ("n3", "n4", "n2")[round_ % 3]

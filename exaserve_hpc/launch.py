@@ -90,9 +90,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float) -> subprocess.Popen:
+def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float,
+                l2_capacity: Optional[int] = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
                "--agent-id", agent_id, "--heartbeat", str(heartbeat), "--die-with-parent"]
+    if l2_capacity is not None:
+        command += ["--l2-capacity", str(int(l2_capacity))]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
@@ -146,7 +149,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     router = build_router(site)
     controller = Controller(site, router, host=site.router.host).start()
     agent_id = site.cluster.hostnames()[0]
-    agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval)
+    agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval, site.weight_cache.l2_capacity)
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,

@@ -23,12 +23,15 @@ from typing import Callable, Optional
 import zmq
 
 from ..agent.lifecycle import ReplicaState
+from ..agent.load_failover import NodeView, after_load_failure
+from ..cache.prefetch import prefetch_plan
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, ReplicaEvent, Shutdown, StartReplica, StopReplica, decode,
-    encode,
+    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, L2Status, LoadFailed, MemoryPoolStatus, Prefetch,
+    ReplicaEvent, Shutdown, StartReplica, StopReplica, decode, encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
+from .demand import DemandHistory
 
 log = logging.getLogger("exaserve.controller")
 
@@ -45,6 +48,15 @@ class AgentRecord:
     host_memory_total: int = 0
     host_memory_used: int = 0
     lost: bool = False
+    memory: Optional[MemoryPoolStatus] = None  # the node's memory pool, from its last heartbeat
+    l2: Optional[L2Status] = None  # the node's L2 weight cache, from its last heartbeat
+    prefetch_sent: dict[str, float] = field(default_factory=dict)  # model -> clock() of our last Prefetch
+
+    def view(self, replicas: int) -> NodeView:
+        free = self.memory.free if self.memory is not None else []
+        entries = self.l2.entries if self.l2 is not None else []
+        ready = frozenset(e.model for e in entries if e.state == "ready")
+        return NodeView(self.agent_id, replicas, max(free) if free else 0, ready)
 
 
 @dataclass
@@ -58,6 +70,11 @@ class ReplicaRecord:
     restarts: int = 0
     restart_at: float = 0.0  # monotonic time of the next start attempt
     transitions: list[tuple[str, float]] = field(default_factory=list)
+    load_progress: float = 0.0
+    load_bytes_done: int = 0
+    load_bytes_total: int = 0
+    load_source: str = ""
+    tried_agents: set[str] = field(default_factory=set)  # agents whose weight load failed for it (load failover)
 
 
 def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
@@ -66,11 +83,13 @@ def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
 
 
 def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current: dict[str, Optional[str]],
-                    max_per_node: int) -> dict[str, Optional[str]]:
+                    max_per_node: int, preferred: Optional[dict[str, str]] = None) -> dict[str, Optional[str]]:
     """Give every replica without a live agent the live agent with the fewest replicas.
 
     Pure: `current` maps replica id -> agent id (None: unassigned or its agent was lost).
-    Replicas that fit nowhere stay None. Ties go to the agent listed first.
+    `preferred` (replica id -> agent id, e.g. the placement restored from a checkpoint) is honoured
+    first where that agent is live and has room. Replicas that fit nowhere stay None. Ties go to
+    the agent listed first.
     """
     result = {rid: (agent if agent in agents else None) for rid, agent in current.items()}
     for rid, _ in replicas:
@@ -78,6 +97,11 @@ def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current:
     counts = {a: 0 for a in agents}
     for agent in result.values():
         if agent is not None:
+            counts[agent] += 1
+    for rid, _ in replicas:
+        agent = (preferred or {}).get(rid)
+        if result[rid] is None and agent in counts and counts[agent] < max_per_node:
+            result[rid] = agent
             counts[agent] += 1
     for rid, _ in replicas:
         if result[rid] is not None or not agents:
@@ -93,11 +117,13 @@ def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current:
 class Controller:
     def __init__(self, site: SiteConfig, router: ZmqRouter, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
-                 curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0):
+                 curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0,
+                 demand_interval: float = 10.0):
         """curve: bootstrap.CurveKeys to make the control socket a CURVE server that admits only the job's
         client key (None: plain TCP, the single-machine default). expected_agents: agent ids the bootstrap
         saw; placement waits for all of them (at most placement_grace seconds) so the first agent to say
-        hello does not get every replica."""
+        hello does not get every replica. demand_interval: seconds per sample of the demand history that
+        the L2 prefetch forecast reads."""
         self.site = site
         self.router = router
         self.clock = clock
@@ -116,6 +142,11 @@ class Controller:
         self.replicas: dict[str, ReplicaRecord] = {
             rid: ReplicaRecord(rid, model) for rid, model in desired_replicas(site)}
         self.started_at = time.time()
+        self.restored = None  # checkpoint.ControllerState this run started from (a requeued job)
+        self.preferred: dict[str, str] = {}  # replica id -> node, from the restored placement
+        self.demand = DemandHistory([m.model_name for m in site.models])
+        self.demand_interval = demand_interval
+        self._next_demand_sample = 0.0
         self._commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._lock = threading.Lock()  # guards agents/replicas for status() readers
         self._stop = threading.Event()
@@ -148,6 +179,13 @@ class Controller:
         if self._auth is not None:
             self._auth.stop()
 
+    def restore(self, state) -> None:
+        """Start from a checkpoint.ControllerState (call before start()): its placement is preferred."""
+        with self._lock:
+            self.restored = state
+            self.preferred = {rid: node for rid, (model, node) in state.placement.items()
+                              if node and rid in self.replicas and self.replicas[rid].model == model}
+
     # ---------------------------------------------------------------- status
 
     def serving_count(self) -> int:
@@ -168,7 +206,9 @@ class Controller:
                      "heartbeat_age": round(self.clock() - a.last_seen, 3),
                      "lost_since": (round(time.time() - (self.clock() - self.lost_at[a.agent_id]), 3)
                                     if a.lost and a.agent_id in self.lost_at else None),
-                     "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total}
+                     "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
+                     "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
+                             "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
                     for a in self.agents.values()
                 ],
                 "replicas": [
@@ -176,11 +216,25 @@ class Controller:
                      "pid": r.pid, "endpoint": self.router.backend_endpoint if r.replica_id in routed else None,
                      "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
                      "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
-                     "restarts": r.restarts, "detail": r.detail}
+                     "restarts": r.restarts, "detail": r.detail, "load_progress": r.load_progress,
+                     "load_bytes_done": r.load_bytes_done, "load_bytes_total": r.load_bytes_total,
+                     "load_source": r.load_source}
                     for r in self.replicas.values()
                 ],
                 "router": {k: v for k, v in self.router.snapshot().items() if k != "replicas"},
+                "restored": self._restored_summary(),
             }
+
+    def _restored_summary(self) -> Optional[dict]:
+        state = self.restored
+        if state is None:
+            return None
+        return {"job_id": state.job_id, "restart": state.restart, "saved_at": state.saved_at,
+                "placement": {rid: list(v) for rid, v in state.placement.items()},
+                "affinity": {str(h): list(r) for h, r in state.affinity.items()},
+                "quota": {g: list(v) for g, v in state.quota.items()},
+                "rollout": {m: [r.version, r.stage, r.weight] for m, r in state.rollout.items()},
+                "excluded_nodes": list(state.excluded_nodes)}
 
     # ---------------------------------------------------------------- controller thread
 
@@ -219,7 +273,7 @@ class Controller:
             log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
                      len(message.gpus))
             self.agents[agent_id] = AgentRecord(agent_id, message.hostname, message.pid, now, len(message.gpus),
-                                                message.host_memory_total)
+                                                message.host_memory_total, memory=message.memory, l2=message.l2)
             self._place(now)
             return
         agent = self.agents.get(agent_id)
@@ -231,10 +285,13 @@ class Controller:
             agent.lost = False
         if isinstance(message, AgentHeartbeat):
             agent.host_memory_used = message.host_memory_used
+            agent.memory, agent.l2 = message.memory, message.l2
             for status in message.replicas:
                 record = self.replicas.get(status.replica_id)
                 if record is not None and record.agent_id == agent_id:
                     record.pid = status.pid
+                    record.load_progress, record.load_source = status.load_progress, status.load_source
+                    record.load_bytes_done, record.load_bytes_total = status.load_bytes_done, status.load_bytes_total
                 elif record is not None and not ReplicaState(status.state).terminal:
                     # An agent declared lost came back (a stall, not a death) while its replica was
                     # re-placed elsewhere: one copy must go, and it is the stale one.
@@ -243,6 +300,42 @@ class Controller:
                     self._send(agent_id, StopReplica(replica_id=status.replica_id, drain_timeout=5.0))
         elif isinstance(message, ReplicaEvent):
             self._on_replica_event(agent_id, message, now)
+        elif isinstance(message, LoadFailed):
+            self._on_load_failed(agent_id, message)
+
+    def _on_load_failed(self, agent_id: str, failed: LoadFailed) -> None:
+        """Weights would not load on `agent_id`: start the replica on another node, or leave it failed."""
+        if not failed.replica_id:
+            log.warning("prefetch of %s on %s failed (%s): %s", failed.model, agent_id, failed.reason, failed.detail)
+            return
+        record = self.replicas.get(failed.replica_id)
+        if record is None or record.agent_id != agent_id:
+            return
+        record.tried_agents.add(agent_id)
+        counts: dict[str, int] = {}
+        for r in self.replicas.values():
+            if r.agent_id is not None and not r.state.terminal:
+                counts[r.agent_id] = counts.get(r.agent_id, 0) + 1
+        nodes = [a.view(counts.get(a.agent_id, 0)) for a in self.agents.values() if not a.lost]
+        decision = after_load_failure(failed, nodes, record.tried_agents, self._needed_bytes(record))
+        record.restart_at = 0.0  # the failover decides, not the same-node restart
+        if decision.agent_id is None:
+            record.state = ReplicaState.FAILED
+            record.detail = f"weights did not load: {decision.why}"
+            log.error("replica %s stays failed: %s", record.replica_id, decision.why)
+            return
+        log.warning("replica %s: load failed on %s; starting it on %s (%s)", record.replica_id, agent_id,
+                    decision.agent_id, decision.why)
+        record.agent_id = decision.agent_id
+        self._start(record)
+
+    def _needed_bytes(self, record: ReplicaRecord) -> int:
+        from ..agent.node_agent import estimate_replica_bytes
+        from ..cache.manifest import CheckpointError
+        try:
+            return estimate_replica_bytes(self._spec(record))
+        except (CheckpointError, OSError, ValueError):
+            return 0  # unknown size: any node may try
 
     def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
         record = self.replicas.get(event.replica_id)
@@ -254,6 +347,8 @@ class Controller:
         record.transitions.append((state.value, event.seconds_in_previous_state))
         log.info("replica %s %s (%.2fs in previous state) %s", record.replica_id, state.value,
                  event.seconds_in_previous_state, event.detail)
+        if state is ReplicaState.SERVING:
+            record.tried_agents.clear()
         if state is ReplicaState.FAILED:
             self.router.replica_lost(record.replica_id, f"process failed: {event.detail}")
             if record.restarts < MAX_RESTARTS:
@@ -287,6 +382,41 @@ class Controller:
                     record.restart_at = 0.0
                     self._start(record)
             self._place(now)
+            if now >= self._next_demand_sample:
+                self._next_demand_sample = now + self.demand_interval
+                self.demand.observe(self.router.snapshot())
+                self._prefetch(now)
+
+    def _prefetch(self, now: float) -> None:
+        """Ask each live node to load into L2 the models its demand forecast wants (cache/prefetch.py)."""
+        model_bytes = self._model_bytes()
+        history = self.demand.history()
+        quiet = max(3 * self.site.heartbeat.interval, 2 * self.demand_interval)  # until a heartbeat shows it
+        for agent in self.agents.values():
+            if agent.lost or agent.l2 is None:
+                continue
+            recent = {m for m, at in agent.prefetch_sent.items() if now - at < quiet}
+            wanted = {m: h for m, h in history.items() if m not in recent}
+            for action in prefetch_plan(wanted, agent.l2, model_bytes):
+                log.info("prefetch %s into L2 of %s (forecast %.1f requests/interval, evicts %s)", action.model,
+                         agent.agent_id, action.forecast, list(action.evicts) or "nothing")
+                agent.prefetch_sent[action.model] = now
+                self._send(agent.agent_id, Prefetch(model=action.model,
+                                                    model_dir=str(self.site.model_dir(self.site.model(action.model)))))
+
+    def _model_bytes(self) -> dict[str, int]:
+        """Checkpoint size per model with weights in the shared store (echo/timing models have none)."""
+        from ..cache.l3_store import manifest_bytes
+        from ..cache.manifest import CheckpointError
+        sizes = {}
+        for model in self.site.models:
+            if model.engine in ("echo", "timing"):
+                continue
+            try:
+                sizes[model.model_name] = manifest_bytes(self.site.model_dir(model))
+            except (CheckpointError, OSError, ValueError):
+                continue  # no checkpoint yet: nothing to prefetch
+        return sizes
 
     def _place(self, now: float) -> None:
         if self.expected_agents - set(self.agents) and now < self._placement_opens:
@@ -294,24 +424,31 @@ class Controller:
         live = [a.agent_id for a in self.agents.values() if not a.lost]
         current = {rid: r.agent_id for rid, r in self.replicas.items()}
         wanted = assign_replicas([(rid, r.model) for rid, r in self.replicas.items()], live, current,
-                                 self.site.scheduler.max_replicas_per_node)
+                                 self.site.scheduler.max_replicas_per_node, self.preferred)
         for rid, agent_id in wanted.items():
             record = self.replicas[rid]
             if agent_id is not None and record.agent_id is None:
                 record.agent_id = agent_id
                 self._start(record)
 
-    def _start(self, record: ReplicaRecord) -> None:
+    def _spec(self, record: ReplicaRecord) -> StartReplica:
         model = self.site.model(record.model)
+        batching = self.site.batching
         settings = EngineSettings(
             engine=model.engine, max_batch_size=self.site.max_batch_size(model), max_seq_len=model.max_seq_len,
-            max_wait_ms=self.site.batching.max_wait_ms, prefill_batch_size=self.site.batching.prefill_batch_size,
-            decode_batch_size=self.site.batching.decode_batch_size)
-        spec = StartReplica(replica_id=record.replica_id, model=record.model,
+            max_wait_ms=batching.max_wait_ms, prefill_batch_size=batching.prefill_batch_size,
+            decode_batch_size=batching.decode_batch_size, chunked_prefill=batching.chunked_prefill,
+            prefill_chunk_tokens=batching.prefill_chunk_tokens, enable_prefix_caching=model.enable_prefix_caching,
+            kv_cache_dtype=model.kv_cache_dtype)
+        return StartReplica(replica_id=record.replica_id, model=record.model,
                             model_dir=str(self.site.model_dir(model)), router_backend=self.router.backend_endpoint,
                             settings=settings, stats_interval=self.site.router.replica_heartbeat)
+
+    def _start(self, record: ReplicaRecord) -> None:
+        spec = self._spec(record)
         record.state = ReplicaState.PENDING
         record.detail = f"starting on {record.agent_id}"
+        record.load_progress, record.load_bytes_done, record.load_bytes_total, record.load_source = 0.0, 0, 0, ""
         self._send(record.agent_id, spec)
 
     def _broadcast(self, message) -> None:

@@ -98,7 +98,9 @@ class SlurmClient(abc.ABC):
 
     @abc.abstractmethod
     def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
-        """Put a batch job back in the queue, first excluding the given nodes from its next run."""
+        """Put a batch job back in the queue, excluding the given nodes from its next run.
+
+        Slurm holds a requeued job for about two minutes (BeginTime) before it may start again."""
 
     @abc.abstractmethod
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:
@@ -155,9 +157,11 @@ class CliSlurmClient(SlurmClient):
         self._run("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()))
 
     def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
+        # Slurm 22.05 refuses ExcNodeList on a running job ("Job is no longer pending execution") but takes
+        # it once the requeue has made the job pending again (while its old run is still completing).
+        self._run("scontrol", "requeue", str(job_id))
         if exclude:
             self.update_job(job_id, ExcNodeList=compress_hostlist(list(exclude)))
-        self._run("scontrol", "requeue", str(job_id))
 
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:
         command = ["scancel"] + ([f"--signal={signal}"] if signal else []) + (["--batch"] if batch_only else [])

@@ -42,6 +42,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-curve", action="store_true", help="plain TCP control plane (CURVE is on by default)")
     parser.add_argument("--bootstrap-timeout", type=float, default=60.0,
                         help="seconds rank 0 waits for every rank's inventory")
+    parser.add_argument("--capacity-floor", type=float, default=0.5,
+                        help="requeue the job (checkpoint, exclude lost nodes) when live/planned nodes falls "
+                             "below this fraction; 0: never")
+    parser.add_argument("--time-margin", type=float, default=0.0,
+                        help="requeue this many seconds before the time limit; 0: rely on the sbatch stop signal")
+    parser.add_argument("--no-requeue", action="store_true", help="never requeue from the controller")
+    parser.add_argument("--replace-lost-nodes", action="store_true",
+                        help="ask Slurm for a replacement node (a companion job whose agent joins) per lost node")
+    parser.add_argument("--join", action="store_true",
+                        help="run as a replacement node: join the controller published in --job-dir as an agent")
 
 
 def _advertised(endpoint: str) -> str:
@@ -51,7 +61,8 @@ def _advertised(endpoint: str) -> str:
 
 def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
     from ..agent.node_agent import NodeAgent
-    agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node)
+    agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
+                      l2_capacity=site.weight_cache.l2_capacity)
     if keys is not None:
         secure_client(agent.socket, keys)
     return agent
@@ -78,7 +89,10 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     router = build_router(site)
     nodes = [inv.node for inv in inventories]
     controller = Controller(site, router, host=site.router.host, curve=keys, expected_agents=nodes,
-                            placement_grace=max(10.0, 3 * site.heartbeat.expiry)).start()
+                            placement_grace=max(10.0, 3 * site.heartbeat.expiry))
+    restore_checkpoint(controller, jobdir)
+    controller.start()
+    requeuer = start_requeuer(controller, rank, jobdir, nodes, args)
     endpoint = _advertised(controller.endpoint)
     own_agent = _make_agent(controller.endpoint, rank, site, keys)
     agent_thread = threading.Thread(target=own_agent.run, name="exaserve-agent-rank0", daemon=True)
@@ -102,12 +116,77 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         print("exaserve: rank 0 stopping: draining replicas on every node", flush=True)
+        if requeuer is not None:
+            requeuer.stop()
         controller.shutdown(drain_timeout=10.0, wait=20.0)
         agent_thread.join(20)
         controller.stop()
         router.stop()
         listener.close()
     return 0
+
+
+def restore_checkpoint(controller, jobdir: JobDir) -> None:
+    """A requeued run starts from the state the previous run checkpointed (slurm/requeue.py)."""
+    from ..checkpoint import CheckpointFormatError, load_state
+    from .requeue import CHECKPOINT_FILE
+    path = jobdir.path / CHECKPOINT_FILE
+    if not path.exists():
+        return
+    try:
+        state = load_state(path)
+    except (OSError, KeyError, CheckpointFormatError) as exc:
+        print(f"exaserve: checkpoint {path} unreadable ({exc}); starting from the site's plan", flush=True)
+        return
+    controller.restore(state)
+    print(f"exaserve: restored state from {path} (job {state.job_id} restart {state.restart}, "
+          f"{len(state.placement)} replicas, excluded {','.join(state.excluded_nodes) or 'none'})", flush=True)
+
+
+def start_requeuer(controller, rank: RankInfo, jobdir: JobDir, nodes: list[str], args: argparse.Namespace):
+    """Watch for a requeue trigger (scheduler/requeue.py) when running as a Slurm job."""
+    if args.no_requeue or rank.source == "local" or not rank.job_id.isdigit():
+        return None
+    from ..scheduler.requeue import RequeuePolicy
+    from .client import CliSlurmClient, SlurmError
+    from .requeue import Requeuer
+    client = CliSlurmClient()
+    deadline = None
+    if args.time_margin > 0:
+        try:
+            job = client.job(int(rank.job_id))
+            deadline = job.start_time + job.time_limit_s if job.time_limit_s and job.start_time else None
+        except SlurmError as exc:
+            log.warning("cannot read job %s's time limit: %s", rank.job_id, exc)
+    policy = RequeuePolicy(capacity_floor=args.capacity_floor, time_margin=args.time_margin)
+    companions = None
+    if args.replace_lost_nodes:
+        from .replacement import CompanionJobs
+        launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank"
+        companions = CompanionJobs(client, rank.job_id, jobdir.path, str(resolve_site(args.site)), launcher)
+    return Requeuer(controller, jobdir.path, rank.job_id, rank.restart, client, nodes, rank.node, policy,
+                    deadline, companions=companions).start()
+
+
+def run_joining_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float = 120.0) -> int:
+    """A replacement node (companion job): join the main job's running controller as one more agent."""
+    deadline = time.monotonic() + timeout
+    data = None
+    while time.monotonic() < deadline and not data:
+        data = jobdir.read_json("controller.json")
+        if not data:
+            time.sleep(0.5)
+    if not data:
+        print(f"error: no controller.json in {jobdir.path} after {timeout:.0f}s; is the main job running?",
+              file=sys.stderr)
+        return 1
+    info = ControllerInfo(**data)
+    keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
+    agent = _make_agent(info.endpoint, rank, site, keys)
+    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"exaserve: replacement node {rank.node} joined {info.endpoint} (job {info.job_id})", flush=True)
+    return agent.run()
 
 
 def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> int:
@@ -126,6 +205,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     comm = _mpi_comm() if rank.source == "mpi" else None
     job_dir = args.job_dir or os.environ.get("EXASERVE_JOB_DIR") or str(site.run_path / "jobs" / rank.job_id)
     jobdir = JobDir(Path(job_dir).expanduser()).ensure()
+    if getattr(args, "join", False):
+        return run_joining_agent(site, rank, jobdir)
     inventories = exchange_inventories(rank, jobdir, NodeInventory.probe(rank), comm, timeout=args.bootstrap_timeout)
     try:
         if role_for(rank.rank) is Role.CONTROLLER:

@@ -76,8 +76,8 @@ class Job:
         subprocess.run(["scancel", str(self.job_id)], capture_output=True)
 
 
-def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = ()) -> Job:
-    launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank --port 0"
+def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "") -> Job:
+    launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank --port 0 {launcher_args}".rstrip()
     result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
                              str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
                              f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60)
@@ -197,3 +197,68 @@ def kill_and_watch(job: Job, node: str, replicas: int, stream: RequestStream, ti
     timings = FailoverTimings(killed_at, detected_at, serving_at, stream.sent,
                               stream.sent - len(stream.failed))
     return timings, status
+
+
+def replacement_site(directory: Path, replicas: int = 3, heartbeat: str = "2s", misses: int = 3) -> Path:
+    """echo_site with one replica per node at most: a lost node's replica waits for a replacement node."""
+    site = echo_site(directory, replicas=replicas, heartbeat=heartbeat, misses=misses)
+    data = yaml.safe_load(site.read_text())
+    data.setdefault("scheduler", {})["max_replicas_per_node"] = 1
+    site.write_text(yaml.safe_dump(data))
+    return site
+
+
+@dataclass
+class ReplacementTimings:
+    killed_at: float
+    detected_at: float = 0.0   # controller declared the node lost
+    submitted_at: float = 0.0  # the companion job was in the queue
+    joined_at: float = 0.0     # a replacement node's agent said hello
+    restored_at: float = 0.0   # every replica serving again, with a replacement node live
+    sent: int = 0
+    completed: int = 0
+
+    def report(self) -> str:
+        def since(t: float) -> str:
+            return f"{t - self.killed_at:.2f}s" if t else "never"
+        return (f"kill -> detected {since(self.detected_at)}, -> companion job {since(self.submitted_at)}, "
+                f"-> replacement joined {since(self.joined_at)}, -> all replicas serving "
+                f"{since(self.restored_at)}; requests sent {self.sent}, completed {self.completed}")
+
+
+def kill_and_watch_replacement(job: Job, node: str, planned: list[str], replicas: int, stream: RequestStream,
+                               timeout: float = 150.0, settle: float = 2.0) -> tuple[ReplacementTimings, dict]:
+    """Kill `node` of a job started with --replace-lost-nodes while `stream` runs; watch it come back."""
+    from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
+    from exaserve_hpc.slurm.replacement import companion_name
+
+    client = CliSlurmClient()
+    t = ReplacementTimings(killed_at=time.time())
+    cluster("kill-node", node)
+    status: dict = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not t.restored_at:
+        try:
+            status = job.status()
+        except (httpx.HTTPError, ValueError):  # the gateway is busy on two shared cores: ask again
+            time.sleep(0.5)
+            continue
+        agents = {a["agent_id"]: a["state"] for a in status["agents"]}
+        if not t.detected_at and agents.get(node) == "lost":
+            t.detected_at = time.time()
+        if not t.submitted_at:
+            try:
+                if any(j.name == companion_name(str(job.job_id)) for j in client.jobs()):
+                    t.submitted_at = time.time()
+            except SlurmError:
+                pass
+        if not t.joined_at and any(a not in planned and s == "alive" for a, s in agents.items()):
+            t.joined_at = time.time()
+        serving = [r for r in status["replicas"] if r["state"] == "serving" and r["node"] != node]
+        if t.joined_at and len(serving) >= replicas:
+            t.restored_at = time.time()
+        time.sleep(0.3)
+    time.sleep(settle)
+    stream.stop()
+    t.sent, t.completed = stream.sent, stream.sent - len(stream.failed)
+    return t, status

@@ -47,10 +47,10 @@ def test_failure_carries_command_exit_code_and_stderr(tmp_path):
     assert "invalid partition" in error.stderr and "exited with 1" in str(error)
 
 
-def test_requeue_excludes_the_dead_nodes_first():
+def test_requeue_then_excludes_the_dead_nodes_while_the_job_is_pending():
     runner = FakeRunner({})
     CliSlurmClient(runner).requeue(7, exclude=["n3", "n4"])
-    assert runner.calls == [["scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"], ["scontrol", "requeue", "7"]]
+    assert runner.calls == [["scontrol", "requeue", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"]]
 
 
 def test_jobs_and_nodes_come_back_as_our_enums():

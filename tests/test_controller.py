@@ -1,0 +1,240 @@
+"""The controller thread against fake node agents: real ZeroMQ DEALER sockets in this process.
+
+Covers the weight-cache integration: load progress and L2/memory telemetry copied from heartbeats into
+status(), load failover on LoadFailed (another node, or stay failed with the reason), L2 prefetch from
+demand history, and the engine settings a StartReplica carries.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+import zmq
+
+from exaserve_hpc.cache.manifest import write_manifest
+from exaserve_hpc.config import parse_site
+from exaserve_hpc.protocol import (
+    AgentHeartbeat, AgentHello, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
+    ReplicaStatus, StartReplica, decode, encode,
+)
+from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.scheduler.demand import DemandHistory
+
+from tests.slurm.fleet import ROOT
+
+MODEL = "tiny-llama"
+GiB = 1 << 30
+
+
+class FakeRouter:
+    """What the controller uses of ZmqRouter: endpoints, snapshot() with counters, replica_lost()."""
+    backend_endpoint = "tcp://127.0.0.1:1"
+    frontend_endpoint = "tcp://127.0.0.1:2"
+
+    def __init__(self):
+        self.accepted = 0
+        self.lost: list[tuple[str, str]] = []
+
+    def snapshot(self) -> dict:
+        return {"replicas": [], "accepted": self.accepted}
+
+    def replica_lost(self, replica_id: str, why: str) -> None:
+        self.lost.append((replica_id, why))
+
+
+def make_site(tmp_path, replicas: int = 2):
+    data = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
+    data["scheduler"]["tick_interval"] = 0.05
+    data["heartbeat"] = {"interval": 5.0, "misses": 3}
+    data["weight_cache"]["l3_path"] = str(tmp_path / "models")
+    data["batching"].update(chunked_prefill=False, prefill_chunk_tokens=128)
+    data["models"][0].update(replicas=replicas, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    model_dir = tmp_path / "models" / MODEL
+    model_dir.mkdir(parents=True)
+    (model_dir / "weights.bin").write_bytes(b"\0" * 4096)
+    write_manifest(model_dir)
+    return parse_site(data)
+
+
+class FakeAgent:
+    def __init__(self, context: zmq.Context, endpoint: str, agent_id: str):
+        self.agent_id = agent_id
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, agent_id.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.seq = 0
+
+    def send(self, message) -> None:
+        self.socket.send(encode(message))
+
+    def hello(self, free: int = 8 * GiB, l2: L2Status | None = None) -> None:
+        self.send(AgentHello(agent_id=self.agent_id, hostname=self.agent_id, pid=1,
+                             memory=MemoryPoolStatus(block_size=1 << 20, total=[free], free=[free]),
+                             l2=l2 or L2Status(capacity=GiB)))
+
+    def heartbeat(self, replicas=(), free: int = 8 * GiB, l2: L2Status | None = None) -> None:
+        self.seq += 1
+        self.send(AgentHeartbeat(agent_id=self.agent_id, seq=self.seq, replicas=list(replicas),
+                                 memory=MemoryPoolStatus(block_size=1 << 20, total=[free], free=[free]),
+                                 l2=l2 or L2Status(capacity=GiB)))
+
+    def expect(self, kind, timeout: float = 10.0, where=lambda m: True):
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            if self.socket.poll(50):
+                message = decode(self.socket.recv())
+                if isinstance(message, kind) and where(message):
+                    return message
+                seen.append(message)
+        raise AssertionError(f"{self.agent_id}: no {kind.__name__} in {timeout}s; got {seen}")
+
+    def quiet(self, kind, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.socket.poll(50):
+                message = decode(self.socket.recv())
+                assert not isinstance(message, kind), f"{self.agent_id} got {message}"
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture
+def make_controller(tmp_path, context):
+    made = []
+
+    def make(agents=("a",), replicas: int = 2, demand_interval: float = 10.0):
+        site = make_site(tmp_path, replicas)
+        router = FakeRouter()
+        controller = Controller(site, router, context=context, expected_agents=list(agents), placement_grace=5.0,
+                                demand_interval=demand_interval).start()
+        made.append(controller)
+        fakes = [FakeAgent(context, controller.endpoint, a) for a in agents]
+        return controller, router, fakes
+
+    yield make
+    for controller in made:
+        controller.stop()
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_start_carries_engine_settings_and_heartbeat_load_progress_reaches_status(make_controller):
+    controller, _, (agent,) = make_controller(replicas=1)
+    l2 = L2Status(capacity=GiB, used=4096, entries=[L2EntryStatus(model=MODEL, nbytes=4096, state="filling")])
+    agent.hello(l2=l2)
+    start = agent.expect(StartReplica)
+    assert start.replica_id == f"{MODEL}/r0000"
+    s = start.settings
+    assert (s.enable_prefix_caching, s.kv_cache_dtype, s.chunked_prefill, s.prefill_chunk_tokens) == \
+        (False, "fp8", False, 128)
+
+    agent.heartbeat([ReplicaStatus(replica_id=start.replica_id, model=MODEL, state="loading", pid=0,
+                                   load_progress=0.25, load_bytes_done=1024, load_bytes_total=4096,
+                                   load_source="l3")], free=3 * GiB, l2=l2)
+
+    def loaded():
+        replica = controller.status()["replicas"][0]
+        return replica if replica["load_bytes_done"] == 1024 else None
+    replica = wait_for(loaded, what="load progress in status()")
+    assert (replica["load_progress"], replica["load_bytes_total"], replica["load_source"]) == (0.25, 4096, "l3")
+    record = controller.agents["a"]
+    assert record.memory.free == [3 * GiB] and record.l2 == l2
+    assert controller.status()["agents"][0]["l2"] == {"capacity": GiB, "used": 4096, "models": {MODEL: "filling"}}
+
+
+def test_load_failure_moves_the_replica_to_the_node_holding_it_in_l2_then_gives_up(make_controller):
+    controller, _, (a, b, c) = make_controller(agents=("a", "b", "c"), replicas=3)
+    ready = L2Status(capacity=GiB, used=4096, entries=[L2EntryStatus(model=MODEL, nbytes=4096, state="ready")])
+    a.hello()
+    b.hello(free=2 * GiB, l2=ready)  # less free memory than c, but the weights are already in its L2
+    c.hello(free=6 * GiB)
+    start = a.expect(StartReplica)
+    for agent in (b, c):
+        agent.expect(StartReplica)
+    rid = start.replica_id
+    a.send(ReplicaEvent(agent_id="a", replica_id=rid, state="failed", detail="load timed out 4 times"))
+    a.send(LoadFailed(agent_id="a", replica_id=rid, model=MODEL, reason="load_timeout", attempts=4))
+    moved = b.expect(StartReplica, where=lambda m: m.replica_id == rid)
+    assert moved.model == MODEL
+    wait_for(lambda: controller.replicas[rid].agent_id == "b", what="replica reassigned to b")
+
+    # b fails too; c is the last node not tried.
+    b.send(LoadFailed(agent_id="b", replica_id=rid, model=MODEL, reason="io", detail="EIO"))
+    c.expect(StartReplica, where=lambda m: m.replica_id == rid)
+    # c fails with a bad checksum: the shared store's copy is bad, no node is tried again.
+    c.send(LoadFailed(agent_id="c", replica_id=rid, model=MODEL, reason="checksum"))
+    record = wait_for(lambda: next((r for r in controller.status()["replicas"]
+                                    if r["replica_id"] == rid and r["state"] == "failed"), None),
+                      what="replica left failed")
+    assert "repair it first" in record["detail"] and record["node"] == "c"
+    for agent in (a, b, c):
+        agent.quiet(StartReplica, 0.5)  # and no same-node restart either
+
+
+def test_prefetch_follows_rising_demand_once_per_model(make_controller):
+    controller, router, (agent,) = make_controller(replicas=0, demand_interval=0.1)
+    agent.hello()
+    for _ in range(3):
+        router.accepted += 50
+        time.sleep(0.12)
+    prefetch = agent.expect(Prefetch)
+    assert prefetch.model == MODEL and prefetch.model_dir.endswith(f"models/{MODEL}")
+    agent.quiet(Prefetch, 0.5)  # not again before a heartbeat shows it filling
+
+
+def test_demand_history_splits_the_total_by_outstanding_requests():
+    demand = DemandHistory(["m1", "m2"])
+    demand.observe({"accepted": 10, "replicas": []})
+    demand.observe({"accepted": 40, "replicas": [{"model": "m1", "outstanding": 2}, {"model": "m2", "outstanding": 1}]})
+    demand.observe({"accepted": 40, "accepted_by_model": {"m1": 5, "m2": 7}})
+    demand.observe({"accepted": 40, "accepted_by_model": {"m1": 9, "m2": 7}})
+    assert demand.history() == {"m1": [20.0, 4.0], "m2": [10.0, 0.0]}
+
+
+def test_assign_replicas_honours_a_preferred_placement_where_it_can():
+    from exaserve_hpc.scheduler.controller import assign_replicas
+    replicas = [(f"m/r{i}", "m") for i in range(4)]
+    current = {rid: None for rid, _ in replicas}
+    preferred = {"m/r0": "b", "m/r1": "b", "m/r2": "gone", "m/r3": "b"}
+    result = assign_replicas(replicas, ["a", "b"], current, max_per_node=2, preferred=preferred)
+    assert result == {"m/r0": "b", "m/r1": "b", "m/r2": "a", "m/r3": "a"}
+
+
+def test_restored_placement_sends_replicas_back_to_their_nodes(make_controller):
+    from exaserve_hpc.checkpoint import ControllerState
+    controller, _, (a, b) = make_controller(agents=("a", "b"), replicas=2)
+    controller.stop()  # a fresh one, restored before it starts
+    site, router = controller.site, controller.router
+    state = ControllerState("9", 0, 5.0, placement={f"{MODEL}/r0000": (MODEL, "b"), f"{MODEL}/r0001": (MODEL, "b")},
+                            excluded_nodes=["c"])
+    fresh = Controller(site, router, context=a.socket.context, expected_agents=["a", "b"], placement_grace=5.0)
+    fresh.restore(state)
+    fresh.start()
+    try:
+        for agent in (a, b):
+            agent.socket.disconnect(controller.endpoint)
+            agent.socket.connect(fresh.endpoint)
+            agent.hello()
+        starts = {b.expect(StartReplica).replica_id, b.expect(StartReplica).replica_id}
+        assert starts == {f"{MODEL}/r0000", f"{MODEL}/r0001"}
+        a.quiet(StartReplica, 0.3)
+        assert fresh.status()["restored"]["excluded_nodes"] == ["c"]
+    finally:
+        fresh.stop()
