@@ -1,0 +1,92 @@
+"""What the controller knows about its fleet, and the pure rule that assigns replicas to node agents.
+
+`AgentRecord` and `ReplicaRecord` are the controller's view of each node agent
+and replica; `assign_replicas` decides which live agent starts each replica
+that has none (no sockets, no clock: the controller thread carries it out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..agent.lifecycle import ReplicaState
+from ..agent.load_failover import NodeView
+from ..config import SiteConfig
+from ..protocol import L2Status, MemoryPoolStatus
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    hostname: str
+    pid: int
+    last_seen: float
+    gpus: int = 0
+    host_memory_total: int = 0
+    host_memory_used: int = 0
+    lost: bool = False
+    memory: Optional[MemoryPoolStatus] = None  # the node's memory pool, from its last heartbeat
+    l2: Optional[L2Status] = None  # the node's L2 weight cache, from its last heartbeat
+    prefetch_sent: dict[str, float] = field(default_factory=dict)  # model -> clock() of our last Prefetch
+
+    def view(self, replicas: int) -> NodeView:
+        free = self.memory.free if self.memory is not None else []
+        entries = self.l2.entries if self.l2 is not None else []
+        ready = frozenset(e.model for e in entries if e.state == "ready")
+        return NodeView(self.agent_id, replicas, max(free) if free else 0, ready)
+
+
+@dataclass
+class ReplicaRecord:
+    replica_id: str
+    model: str
+    agent_id: Optional[str] = None
+    state: ReplicaState = ReplicaState.PENDING
+    pid: int = 0
+    detail: str = ""
+    restarts: int = 0
+    restart_at: float = 0.0  # monotonic time of the next start attempt
+    transitions: list[tuple[str, float]] = field(default_factory=list)
+    load_progress: float = 0.0
+    load_bytes_done: int = 0
+    load_bytes_total: int = 0
+    load_source: str = ""
+    tried_agents: set[str] = field(default_factory=set)  # agents whose weight load failed for it (load failover)
+
+
+def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
+    """(replica_id, model) for every replica the site asks for, ids stable across restarts."""
+    return [(f"{m.model_name}/r{i:04d}", m.model_name) for m in site.models for i in range(site.initial_replicas(m))]
+
+
+def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current: dict[str, Optional[str]],
+                    max_per_node: int, preferred: Optional[dict[str, str]] = None) -> dict[str, Optional[str]]:
+    """Give every replica without a live agent the live agent with the fewest replicas.
+
+    Pure: `current` maps replica id -> agent id (None: unassigned or its agent was lost).
+    `preferred` (replica id -> agent id, e.g. the placement restored from a checkpoint) is honoured
+    first where that agent is live and has room. Replicas that fit nowhere stay None. Ties go to
+    the agent listed first.
+    """
+    result = {rid: (agent if agent in agents else None) for rid, agent in current.items()}
+    for rid, _ in replicas:
+        result.setdefault(rid, None)
+    counts = {a: 0 for a in agents}
+    for agent in result.values():
+        if agent is not None:
+            counts[agent] += 1
+    for rid, _ in replicas:
+        agent = (preferred or {}).get(rid)
+        if result[rid] is None and agent in counts and counts[agent] < max_per_node:
+            result[rid] = agent
+            counts[agent] += 1
+    for rid, _ in replicas:
+        if result[rid] is not None or not agents:
+            continue
+        agent = min(agents, key=lambda a: (counts[a], agents.index(a)))
+        if counts[agent] >= max_per_node:
+            continue
+        result[rid] = agent
+        counts[agent] += 1
+    return result
