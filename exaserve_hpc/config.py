@@ -215,8 +215,7 @@ class QuotaGroup(_Section):
     account: Optional[str] = None  # Slurm account of the research group
     api_keys: list[str] = Field(default_factory=list)
     max_concurrent_requests: Optional[int] = Field(None, ge=1)
-    tokens_per_minute: Optional[int] = Field(None, ge=1)
-    max_replicas: Optional[int] = Field(None, ge=0)
+    tokens_per_minute: Optional[int] = Field(None, ge=1)  # prompt + completion tokens per rolling 60 s
 
 
 class SiteConfig(_Section):

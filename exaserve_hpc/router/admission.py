@@ -7,7 +7,9 @@ caps requests in flight for the whole gateway and per quota group (429).
 from __future__ import annotations
 
 import math
-from typing import Optional
+import time
+from collections import deque
+from typing import Callable, Optional
 
 from fastapi.responses import JSONResponse
 
@@ -48,12 +50,52 @@ def internal_error(request_id: str, exc: BaseException) -> ApiError:
 # ------------------------------------------------------------ admission
 
 
-class Admission:
-    """Caps generation requests in flight: for the whole gateway, and per quota group."""
+class TokenBudget:
+    """Tokens (prompt + completion) each quota group used over the last `window` seconds.
 
-    def __init__(self, max_inflight: int, group_limits: dict[str, int]):
+    Pure: callers pass the time. A group at or over its limit is refused until
+    enough of its recent usage ages out; a request already admitted is charged
+    in full when it ends, so a group can overshoot by at most its requests in flight.
+    """
+
+    def __init__(self, limits: dict[str, int], window: float = 60.0):
+        self.limits = limits
+        self.window = window
+        self._used: dict[str, deque[tuple[float, int]]] = {g: deque() for g in limits}
+
+    def used(self, group: str, now: float) -> int:
+        entries = self._used[group]
+        while entries and entries[0][0] <= now - self.window:
+            entries.popleft()
+        return sum(tokens for _, tokens in entries)
+
+    def wait(self, group: Optional[str], now: float) -> float:
+        """0 when the group may start a request now, else seconds until enough usage ages out."""
+        if group not in self.limits:
+            return 0.0
+        limit, used = self.limits[group], self.used(group, now)
+        if used < limit:
+            return 0.0
+        for when, tokens in self._used[group]:  # oldest first
+            used -= tokens
+            if used < limit:
+                return max(0.001, when + self.window - now)
+        raise AssertionError("usage is the sum of the entries, and limits are >= 1")
+
+    def charge(self, group: Optional[str], tokens: int, now: float) -> None:
+        if group in self.limits and tokens > 0:
+            self._used[group].append((now, tokens))
+
+
+class Admission:
+    """Caps generation requests in flight (whole gateway, per quota group) and each group's tokens per minute."""
+
+    def __init__(self, max_inflight: int, group_limits: dict[str, int],
+                 tokens_per_minute: Optional[dict[str, int]] = None, clock: Callable[[], float] = time.monotonic):
         self.max_inflight = max_inflight
         self.group_limits = group_limits
+        self.budget = TokenBudget(tokens_per_minute or {})
+        self.clock = clock
         self.inflight = 0
         self.by_group: dict[str, int] = {}
 
@@ -67,6 +109,11 @@ class Admission:
             raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
                            "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
                            retry_after=_OVERLOAD_RETRY_AFTER)
+        wait = self.budget.wait(group, self.clock())
+        if wait > 0:
+            raise ApiError(429, f"quota group {group!r} used its tokens_per_minute "
+                           f"({self.budget.limits[group]} prompt + completion tokens per 60 s); "
+                           f"retry in {wait:.0f} s", code="quota_exceeded", retry_after=wait)
         self.inflight += 1
         if group:
             self.by_group[group] = self.by_group.get(group, 0) + 1
@@ -80,10 +127,12 @@ class Ticket:
     def __init__(self, admission: Admission, group: Optional[str]):
         self._admission, self._group, self._held = admission, group, True
 
-    def release(self) -> None:
+    def release(self, tokens: int = 0) -> None:
+        """Free the slot; `tokens` (prompt + completion) count against the group's tokens_per_minute."""
         if not self._held:
             return
         self._held = False
+        self._admission.budget.charge(self._group, tokens, self._admission.clock())
         self._admission.inflight -= 1
         if self._group:
             self._admission.by_group[self._group] -= 1

@@ -78,7 +78,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     tokenizer = ByteTokenizer()
     admission = Admission(site.gateway.max_queued_requests,
                           {g.name: g.max_concurrent_requests for g in site.quota_groups
-                           if g.max_concurrent_requests is not None})
+                           if g.max_concurrent_requests is not None},
+                          {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None})
     group_of_key = {key: group.name for group in site.quota_groups for key in group.api_keys}
 
     app = FastAPI(title="exaserve-hpc gateway", version="0.1.0",

@@ -129,7 +129,7 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await self._chunks.aclose()
         finally:
-            self._ticket.release()
+            self._ticket.release(tokens=self.prompt_tokens + self.completion_tokens)
             metrics.GENERATED_TOKENS.labels(self.request.model).inc(self.completion_tokens)
 
 

@@ -411,6 +411,20 @@ def test_quota_group_concurrency_limit_is_429(start_gateway):
         assert held.result(timeout=5).choices[0].text == "a"
 
 
+def test_quota_group_tokens_per_minute_is_429_with_retry_after(start_gateway):
+    groups = [{"name": "small", "api_keys": ["key-small"], "tokens_per_minute": 20},
+              {"name": "bio", "api_keys": ["key-bio"]}]
+    gw = start_gateway(make_site(gateway={"require_api_key": True}, quota_groups=groups))
+    first = gw.client(api_key="key-small").completions.create(model=MODEL, prompt="a long enough prompt",
+                                                               max_tokens=8)
+    assert first.usage.total_tokens >= 20  # the group's whole minute in one request
+    with pytest.raises(openai.RateLimitError) as caught:
+        gw.client(api_key="key-small").completions.create(model=MODEL, prompt="again", max_tokens=4)
+    assert "'small'" in caught.value.message and "tokens_per_minute" in caught.value.message
+    assert int(caught.value.response.headers["retry-after"]) >= 50
+    assert gw.client(api_key="key-bio").completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
 # ------------------------------------------------------------ operations endpoints
 
 
