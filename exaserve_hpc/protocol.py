@@ -87,6 +87,9 @@ class ReplicaStats(_Msg, tag="stats"):
     latency_ewma_ms: float = 0.0
     tokens_generated: int = 0
     requests_finished: int = 0
+    prefix_hit_tokens: int = 0    # prompt tokens served from the prefix cache, total
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it, total
+    kv_blocks_cached: int = 0     # free KV blocks holding a reusable prefix
 
 
 class ReplicaBye(_Msg, tag="bye"):
@@ -207,6 +210,10 @@ class StartReplica(_Msg, tag="start"):
     memory_bytes: int = 0  # per device to reserve from the node's pool; 0: the agent estimates from the manifest
     devices: int = 1  # devices (GPUs) the replica spans on this node (tensor parallel)
     load_timeout: float = 0.0  # seconds per L3 -> L2 attempt; 0: the agent derives it from the size
+    # KV snapshot migration (HDF5 on shared storage, engine/kv_snapshot.py); "" = off.
+    kv_snapshot_in: str = ""   # loaded into the prefix cache after warm-up, before registering
+    kv_snapshot_out: str = ""  # hottest prefix blocks written while draining, before ReplicaBye
+    kv_snapshot_max_blocks: int = 0  # blocks written at most; 0: every cached block
 
 
 class StopReplica(_Msg, tag="stop"):

@@ -14,6 +14,12 @@ chunks). State lines on --status-fd: "<state> <seconds in previous state> <detai
 
 SIGTERM drains: no new requests, in-flight ones finish (bounded by the drain
 timeout), then the replica says bye and exits 0.
+
+KV snapshot migration (optional, ``engine/kv_snapshot.py``): with
+spec.kv_snapshot_in the prefix cache is loaded after warm-up, before
+registering; with spec.kv_snapshot_out the hottest prefix blocks are written
+while draining, before the bye. A snapshot that cannot be read or written, or
+belongs to another model, costs only the cache: logged, and the replica goes on.
 """
 
 from __future__ import annotations
@@ -105,6 +111,41 @@ def make_engine(spec: StartReplica, loaded: Optional[tuple[dict, dict]] = None):
         return ReferenceEngine.from_weights(*loaded, **batching)
     raise ValueError(f"engine {settings.engine!r} cannot run in a replica process yet; "
                      "use engine: reference (or echo for benchmarks)")
+
+
+def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
+    """Warm the prefix cache from spec.kv_snapshot_in; blocks installed (0 if refused)."""
+    from ..engine.kv_snapshot import KVSnapshotError, load_kv_snapshot
+    started = time.monotonic()
+    try:
+        n = load_kv_snapshot(engine, spec.kv_snapshot_in)
+    except KVSnapshotError as exc:
+        log.warning("replica %s: KV snapshot not loaded, serving with a cold cache: %s", spec.replica_id, exc)
+        return 0
+    except Exception:  # a bug here must not stop a replica that can serve cold
+        log.exception("replica %s: KV snapshot %s not loaded", spec.replica_id, spec.kv_snapshot_in)
+        return 0
+    log.info("replica %s: loaded %d KV blocks from %s in %.3f s", spec.replica_id, n, spec.kv_snapshot_in,
+             time.monotonic() - started)
+    return n
+
+
+def write_kv_snapshot_out(spec: StartReplica, engine) -> int:
+    """Write the hottest prefix blocks to spec.kv_snapshot_out; blocks written (0 if it failed)."""
+    from ..engine.kv_snapshot import KVSnapshotError, write_kv_snapshot
+    started = time.monotonic()
+    limit = spec.kv_snapshot_max_blocks or getattr(getattr(engine, "blocks", None), "num_blocks", 0)
+    try:
+        n = write_kv_snapshot(engine, spec.kv_snapshot_out, limit)
+    except KVSnapshotError as exc:
+        log.warning("replica %s: KV snapshot not written: %s", spec.replica_id, exc)
+        return 0
+    except Exception:  # the bye must still go out
+        log.exception("replica %s: KV snapshot %s not written", spec.replica_id, spec.kv_snapshot_out)
+        return 0
+    log.info("replica %s: wrote %d KV blocks to %s in %.3f s", spec.replica_id, n, spec.kv_snapshot_out,
+             time.monotonic() - started)
+    return n
 
 
 class ChunkCoalescer:
@@ -238,13 +279,18 @@ class ReplicaServer:
             replica_id=self.spec.replica_id, queue_depth=int(stats.get("queue_depth", 0)),
             running=int(stats.get("running", 0)), kv_used=float(stats.get("kv_used", 0.0)),
             latency_ewma_ms=self.latency_ewma_ms, tokens_generated=int(stats.get("tokens_generated", 0)),
-            requests_finished=int(stats.get("requests_finished", 0))))
+            requests_finished=int(stats.get("requests_finished", 0)),
+            prefix_hit_tokens=int(stats.get("prefix_hit_tokens", 0)),
+            prefix_query_tokens=int(stats.get("prefix_query_tokens", 0)),
+            kv_blocks_cached=int(stats.get("kv_blocks_cached", 0))))
 
     def _finish_drain(self) -> None:
         for rid in list(self._running_ids):  # drain timed out: hand these back for retry elsewhere
             self.engine.abort(rid)
             self._send(RequestError(request_id=rid, status=503, code="drain_timeout",
                                     message=f"replica {self.spec.replica_id} stopped before finishing"))
+        if self.spec.kv_snapshot_out:
+            write_kv_snapshot_out(self.spec, self.engine)
         self._send(ReplicaBye(replica_id=self.spec.replica_id, reason="drained"))
         self.reporter.state(ReplicaState.STOPPED)
 
@@ -288,6 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         del loaded
         reporter.state(ReplicaState.WARMING)
         engine.warmup()
+        if spec.kv_snapshot_in:
+            load_kv_snapshot_in(spec, engine)
         reporter.state(ReplicaState.REGISTERING, spec.router_backend)
         context = zmq.Context()
         socket = context.socket(zmq.DEALER)

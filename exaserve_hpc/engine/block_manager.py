@@ -20,6 +20,13 @@ Call protocol (``seq`` is any object with the attributes of ``BlockSequence``):
   newly full blocks get their hash and become shareable.
 - ``deallocate(seq)`` when it finishes, is aborted or preempted.
 - ``take_events()``: blocks stored / evicted since the last call (KV events).
+- ``export_cached_blocks(n)`` / ``import_cached_blocks(blocks)``: the hottest
+  named blocks with their parents and tokens (KV snapshot migration,
+  ``kv_snapshot.py``), and installing such blocks into clean free blocks.
+
+Heat (for export): prefix hits a block served since it was named, then
+recency (blocks in use count as most recent, then the evictable LRU from
+most recently freed).
 """
 
 from __future__ import annotations
@@ -54,6 +61,17 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+@dataclass(frozen=True)
+class CachedBlock:
+    """A named block as exported: what rebuilds its prefix-cache entry elsewhere."""
+
+    block_id: int                  # in this manager's pool
+    block_hash: int
+    parent_hash: int               # ROOT_HASH for a sequence's first block
+    token_ids: tuple[int, ...]     # block_size ids
+    hits: int                      # prefix hits served since it was named
+
+
 class BlockSequence(Protocol):
     """What the manager reads and writes on a sequence."""
 
@@ -75,6 +93,9 @@ class BlockManager:
     # Per block id (plain lists, not objects: a simulator builds thousands of managers).
     ref_count: list[int] = field(init=False, repr=False)
     block_hash: list[int | None] = field(init=False, repr=False)  # set while cached
+    block_parent: list[int | None] = field(init=False, repr=False)  # parent's hash, while named
+    block_tokens: list[tuple[int, ...] | None] = field(init=False, repr=False)  # while named
+    block_hits: list[int] = field(init=False, repr=False)  # prefix hits since named (heat)
     prefix_hit_tokens: int = field(init=False, default=0)     # computation skipped, total
     prefix_query_tokens: int = field(init=False, default=0)   # tokens looked up, total
 
@@ -84,6 +105,9 @@ class BlockManager:
                              "must be >= 1")
         self.ref_count = [0] * self.num_blocks
         self.block_hash = [None] * self.num_blocks
+        self.block_parent = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        self.block_hits = [0] * self.num_blocks
         self._clean: deque[int] = deque(range(self.num_blocks))   # free, never hashed
         self._evictable: OrderedDict[int, None] = OrderedDict()   # free, hashed; LRU first
         self._cached: dict[int, int] = {}                           # hash -> block id
@@ -147,6 +171,7 @@ class BlockManager:
             if self.ref_count[block_id] == 0:
                 del self._evictable[block_id]
             self.ref_count[block_id] += 1
+            self.block_hits[block_id] += 1
         seq.block_table = hits + [self._take_free() for _ in
                                   range(self.blocks_needed(len(seq.token_ids)) - len(hits))]
         hit_tokens = len(hits) * self.block_size
@@ -167,7 +192,7 @@ class BlockManager:
             del self._cached[h]
             if self.record_events:
                 self._events.append(BlockRemoved(block_hashes=[h]))
-            self.block_hash[block_id] = None
+            self._forget_name(block_id)
         assert self.ref_count[block_id] == 0, f"block {block_id} taken while in use"
         self.ref_count[block_id] = 1
         return block_id
@@ -193,8 +218,10 @@ class BlockManager:
             h = self._block_hash(seq, index)
             block_id = seq.block_table[index]
             if self.block_hash[block_id] is None and h not in self._cached:
-                self.block_hash[block_id] = h   # (a duplicate of a cached block stays unnamed)
-                self._cached[h] = block_id
+                # (a duplicate of a cached block stays unnamed)
+                bs = self.block_size
+                self._name(block_id, h, seq.block_hashes[index - 1] if index else ROOT_HASH,
+                           tuple(seq.token_ids[index * bs:(index + 1) * bs]))
                 stored.append(h)
         if stored and self.record_events:
             bs = self.block_size
@@ -219,6 +246,89 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 
+    def _name(self, block_id: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
+        self.block_hash[block_id] = h
+        self.block_parent[block_id] = parent
+        self.block_tokens[block_id] = tokens
+        self.block_hits[block_id] = 0
+        self._cached[h] = block_id
+
+    def _forget_name(self, block_id: int) -> None:
+        self.block_hash[block_id] = None
+        self.block_parent[block_id] = None
+        self.block_tokens[block_id] = None
+        self.block_hits[block_id] = 0
+
+    # ------------------------------------------------------------ snapshot export / import
+
+    def export_cached_blocks(self, max_blocks: int) -> list[CachedBlock]:
+        """Up to ``max_blocks`` named blocks, hottest first (see the module
+        docstring), prefix-closed: each block's parent is ROOT_HASH or comes
+        earlier in the list. A block whose chain lost an ancestor to eviction
+        can never be hit, so it is left out."""
+        recency = {b: rank for rank, b in enumerate(self._evictable)}   # higher: freed later
+        in_use = len(recency)
+        named = [b for b, h in enumerate(self.block_hash) if h is not None]
+        named.sort(key=lambda b: (self.block_hits[b], recency.get(b, in_use + self.ref_count[b])),
+                   reverse=True)
+        chosen: set[int] = set()
+        out: list[CachedBlock] = []
+        for block_id in named:
+            chain, h = [], self.block_hash[block_id]
+            while h != ROOT_HASH and h not in chosen:
+                b = self._cached.get(h)
+                if b is None:
+                    chain = []   # orphan: an ancestor was evicted
+                    break
+                chain.append(b)
+                h = self.block_parent[b]
+            for b in reversed(chain):
+                if len(out) >= max_blocks:
+                    return out
+                chosen.add(self.block_hash[b])
+                out.append(CachedBlock(b, self.block_hash[b], self.block_parent[b],
+                                       self.block_tokens[b], self.block_hits[b]))
+        return out
+
+    def import_cached_blocks(self, blocks: Sequence[tuple[int, int, Sequence[int]]]
+                             ) -> list[tuple[int, int]]:
+        """Name clean free blocks after ``(hash, parent_hash, token_ids)``
+        entries given root-first (as ``export_cached_blocks`` lists them), as
+        evictable cached blocks, the first entry the most recently used.
+        Returns ``(entry index, block id)`` for each installed one: the caller
+        writes their K/V. Skipped: hashes already cached (their children still
+        chain on), entries whose parent is not cached (a partial chain is only
+        usable from its root), everything once no clean block is left (cached
+        blocks are never evicted for an import). ValueError if an entry's hash
+        does not match its parent and tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        entries = [(h, parent, tuple(int(t) for t in tokens)) for h, parent, tokens in blocks]
+        for index, (h, parent, tokens) in enumerate(entries):   # all checked before any is named
+            if len(tokens) != self.block_size or hash_block_tokens(parent, tokens) != h:
+                raise ValueError(
+                    f"snapshot block {index}: hash {h:#018x} does not match its parent "
+                    f"{parent:#018x} and {len(tokens)} token ids (block_size {self.block_size}); "
+                    "the snapshot is corrupt")
+        installed: list[tuple[int, int]] = []
+        for index, (h, parent, tokens) in enumerate(entries):
+            if h in self._cached or (parent != ROOT_HASH and parent not in self._cached):
+                continue
+            if not self._clean:
+                break
+            block_id = self._clean.popleft()
+            assert self.ref_count[block_id] == 0 and self.block_hash[block_id] is None, block_id
+            self._name(block_id, h, parent, tokens)
+            self._evictable[block_id] = None
+            installed.append((index, block_id))
+            if self.record_events:
+                self._events.append(BlockStored(
+                    block_hashes=[h], parent_block_hash=None if parent == ROOT_HASH else parent,
+                    token_ids=list(tokens), block_size=self.block_size))
+        for _, block_id in reversed(installed):   # hottest (first) evicted last
+            self._evictable.move_to_end(block_id)
+        return installed
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
@@ -232,4 +342,9 @@ class BlockManager:
             assert (block_id in self._evictable) == (refs == 0 and h is not None), block_id
             if h is not None:
                 assert self._cached[h] == block_id
+                parent, tokens = self.block_parent[block_id], self.block_tokens[block_id]
+                assert tokens is not None and parent is not None
+                assert hash_block_tokens(parent, tokens) == h, block_id
+            else:
+                assert self.block_tokens[block_id] is None and self.block_hits[block_id] == 0
         assert len(self._cached) == sum(h is not None for h in self.block_hash)

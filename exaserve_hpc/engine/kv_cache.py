@@ -68,6 +68,28 @@ class PagedKVCache:
     def view(self, block_table: Sequence[int], num_tokens: int) -> SequenceKV:
         return SequenceKV(self, block_table, num_tokens)
 
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """One block's K (or V) over all layers: [layers, kv_heads, block_size, head_dim]."""
+        layers, kv_heads, _, block_size, head_dim = self.k.shape
+        return layers, kv_heads, block_size, head_dim
+
+    def read_blocks(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of K and V of these blocks, [n, *block_shape], storage dtype."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        return (np.ascontiguousarray(self.k[:, :, ids].transpose(2, 0, 1, 3, 4)),
+                np.ascontiguousarray(self.v[:, :, ids].transpose(2, 0, 1, 3, 4)))
+
+    def write_blocks(self, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Overwrite these blocks with K and V as ``read_blocks`` returns them."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        want = (len(ids), *self.block_shape)
+        if k.shape != want or v.shape != want or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise ValueError(f"KV blocks of shape {k.shape}/{v.shape} and dtype {k.dtype}/{v.dtype} "
+                             f"do not fit this pool: expected {want} {self.dtype}")
+        self.k[:, :, ids] = k.transpose(1, 2, 0, 3, 4)
+        self.v[:, :, ids] = v.transpose(1, 2, 0, 3, 4)
+
 
 class SequenceKV:
     """One sequence's window on the pool, for one forward pass: the model's

@@ -18,6 +18,8 @@ cache the recomputed K/V are bit-identical up to float summation order).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -71,6 +73,27 @@ class ReferenceEngine(ContinuousBatchingEngine):
                                self.blocks.num_blocks, self.blocks.block_size, kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_bytes_per_token = self.kv.bytes_per_token
+
+    def model_identity(self) -> str:
+        """What KV blocks depend on besides tokens: a digest of the config and
+        every weight as the model runs it (computed once, on first use, so
+        engines that never snapshot pay nothing)."""
+        if getattr(self, "_model_identity", None) is None:
+            m = self.model
+            h = hashlib.blake2b(digest_size=16)
+            h.update(json.dumps(m.config, sort_keys=True, default=str).encode())
+            arrays = [m.embed, m.norm, m.lm_head]
+            if m.lm_head_bias is not None:
+                arrays.append(m.lm_head_bias)
+            for layer in m.layers:
+                arrays += [layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm,
+                           layer.w_gate_up, layer.w_down]
+            for a in arrays:
+                h.update(repr((a.dtype.str, a.shape)).encode())
+                h.update(np.ascontiguousarray(a).data)
+            self._model_identity = (f"llama L{m.num_layers} H{m.heads}/{m.kv_heads}x{m.head_dim} "
+                                    f"V{m.vocab_size} blake2b:{h.hexdigest()}")
+        return self._model_identity
 
     def _execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run the batch through the model; sample where a sequence's pending
