@@ -89,6 +89,8 @@ def render_status(status: dict, url: str) -> None:
         agents.add_row(a["agent_id"], a["hostname"], str(a["pid"]), a["state"], f"{a['heartbeat_age']:.1f}s",
                        str(a["gpus"]))
     out.print(agents)
+    if status.get("models"):
+        out.print(_models_table(status["models"]))
     replicas = Table(title="replicas")
     for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts", "weights"):
         replicas.add_column(column)
@@ -97,6 +99,19 @@ def render_status(status: dict, url: str) -> None:
                          str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]),
                          _weights_column(r))
     out.print(replicas)
+
+
+def _models_table(models: list[dict]) -> Table:
+    """Per model: replicas serving / wanted, the floor, and the autoscaler's last scaling with its reason."""
+    table = Table(title="models")
+    for column in ("model", "serving/target", "min", "stopping", "load", "last scale"):
+        table.add_column(column)
+    for m in models:
+        scaled = m.get("last_scale")
+        table.add_row(m["model"], f"{m['current']}/{m['target']}", str(m["min_replicas"]), str(m["stopping"]),
+                      "-" if m.get("load") is None else f"{m['load']:.2f}",
+                      f"{scaled['from']} -> {scaled['to']}: {scaled['reason']}" if scaled else "-")
+    return table
 
 
 def _weights_column(replica: dict) -> str:

@@ -2,7 +2,8 @@
 
 Covers the weight-cache integration: load progress and L2/memory telemetry copied from heartbeats into
 status(), load failover on LoadFailed (another node, or stay failed with the reason), L2 prefetch from
-demand history, and the engine settings a StartReplica carries.
+demand history, and the engine settings a StartReplica carries; and autoscaling: scale-up placement,
+scale-down drain-then-stop, the cooldown and the minimum.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from exaserve_hpc.cache.manifest import write_manifest
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
-    ReplicaStatus, StartReplica, decode, encode,
+    ReplicaStatus, StartReplica, StopReplica, decode, encode,
 )
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.scheduler.demand import DemandHistory
@@ -29,24 +30,36 @@ GiB = 1 << 30
 
 
 class FakeRouter:
-    """What the controller uses of ZmqRouter: endpoints, snapshot() with counters, replica_lost()."""
+    """What the controller uses of ZmqRouter: endpoints, snapshot() with counters, replica_lost(), drain().
+
+    `in_flight` (replica id -> requests) is what the snapshot reports per replica; set it to make load."""
     backend_endpoint = "tcp://127.0.0.1:1"
     frontend_endpoint = "tcp://127.0.0.1:2"
 
     def __init__(self):
         self.accepted = 0
         self.lost: list[tuple[str, str]] = []
+        self.in_flight: dict[str, int] = {}
+        self.drained: list[str] = []
 
     def snapshot(self) -> dict:
-        return {"replicas": [], "accepted": self.accepted}
+        replicas = [{"replica_id": rid, "model": MODEL, "outstanding": n, "queue_depth": 0,
+                     "draining": rid in self.drained} for rid, n in sorted(self.in_flight.items())]
+        return {"replicas": replicas, "accepted": self.accepted}
 
     def replica_lost(self, replica_id: str, why: str) -> None:
         self.lost.append((replica_id, why))
+        self.in_flight.pop(replica_id, None)
+
+    def drain(self, replica_id: str) -> None:
+        self.drained.append(replica_id)
 
 
-def make_site(tmp_path, replicas: int = 2):
+def make_site(tmp_path, replicas: int = 2, scheduler: dict | None = None, model: dict | None = None):
     data = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
     data["scheduler"]["tick_interval"] = 0.05
+    data["scheduler"].update(scheduler or {})
+    data["models"][0].update(model or {})
     data["heartbeat"] = {"interval": 5.0, "misses": 3}
     data["weight_cache"]["l3_path"] = str(tmp_path / "models")
     data["batching"].update(chunked_prefill=False, prefill_chunk_tokens=128)
@@ -111,18 +124,23 @@ def context():
 def make_controller(tmp_path, context):
     made = []
 
-    def make(agents=("a",), replicas: int = 2, demand_interval: float = 10.0):
-        site = make_site(tmp_path, replicas)
+    def make(agents=("a",), replicas: int = 2, demand_interval: float = 10.0, scheduler: dict | None = None,
+             model: dict | None = None):
+        site = make_site(tmp_path, replicas, scheduler, model)
         router = FakeRouter()
         controller = Controller(site, router, context=context, expected_agents=list(agents), placement_grace=5.0,
                                 demand_interval=demand_interval).start()
         made.append(controller)
         fakes = [FakeAgent(context, controller.endpoint, a) for a in agents]
+        sockets.extend(f.socket for f in fakes)
         return controller, router, fakes
 
+    sockets = []
     yield make
     for controller in made:
         controller.stop()
+    for socket in sockets:  # a failed test's frames keep them alive, and an open socket blocks ctx.term()
+        socket.close(linger=0)
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
@@ -238,3 +256,119 @@ def test_restored_placement_sends_replicas_back_to_their_nodes(make_controller):
         assert fresh.status()["restored"]["excluded_nodes"] == ["c"]
     finally:
         fresh.stop()
+
+
+# ---------------------------------------------------------------- autoscaling
+
+
+def serve_all(agent: FakeAgent, count: int) -> list[str]:
+    """Take `count` StartReplica messages and report each replica serving; returns their ids."""
+    rids = [agent.expect(StartReplica).replica_id for _ in range(count)]
+    for rid in rids:
+        agent.send(ReplicaEvent(agent_id=agent.agent_id, replica_id=rid, state="serving"))
+    return rids
+
+
+def model_status(controller: Controller) -> dict:
+    (model,) = controller.status()["models"]
+    return model
+
+
+def test_scale_up_places_fresh_replicas_where_there_is_room_and_the_rest_wait_with_a_reason(make_controller):
+    controller, router, (a, b) = make_controller(
+        agents=("a", "b"), replicas=1, scheduler={"max_replicas_per_node": 1, "scale_up_threshold": 0.5},
+        model={"min_replicas": 1, "max_batch_size": 2})
+    a.hello()
+    wait_for(lambda: "a" in controller.agents, what="a's hello")  # so a is listed first
+    b.hello()
+    (first,) = serve_all(a, 1)  # the first agent in the list gets it (ties go to the first)
+    assert first == f"{MODEL}/r0000"
+    b.quiet(StartReplica, 0.3)  # 1 replica, no load: nothing to add
+    router.in_flight[first] = 3  # load 3 / (1 x 2) = 1.5 > 0.5: 3 / (2 x 0.375) -> 4 replicas
+
+    started = b.expect(StartReplica)
+    assert started.replica_id == f"{MODEL}/r0001"
+    status = wait_for(lambda: (m := model_status(controller))["target"] == 4 and m, what="target 4")
+    assert status["current"] == 1 and status["last_scale"]["from"] == 1 and status["last_scale"]["to"] == 4
+    assert "load 1.50 > scale_up_threshold 0.5" in status["last_scale"]["reason"]
+    waiting = {r["replica_id"]: r for r in controller.status()["replicas"] if r["node"] is None}
+    assert sorted(waiting) == [f"{MODEL}/r0002", f"{MODEL}/r0003"]
+    assert all("max_replicas_per_node (1)" in r["detail"] and r["state"] == "pending" for r in waiting.values())
+    a.quiet(StartReplica, 0.3)  # a is full; the starting replica counts, so no further ids are issued
+    assert len(controller.replicas) == 4
+
+
+def test_scale_down_drains_the_least_busy_in_the_router_before_stopping_them(make_controller):
+    controller, router, (agent,) = make_controller(replicas=3, scheduler={"cooldown_period": 0},
+                                                   model={"min_replicas": 1, "max_batch_size": 16})
+    router.in_flight.update({f"{MODEL}/r0000": 1, f"{MODEL}/r0001": 0, f"{MODEL}/r0002": 2})
+    agent.hello()
+    serve_all(agent, 3)  # load 3 / 48 < 0.25: 3 -> 1 replica; the one with 2 in flight stays
+
+    stopped = [agent.expect(StopReplica), agent.expect(StopReplica)]
+    assert [s.replica_id for s in stopped] == [f"{MODEL}/r0001", f"{MODEL}/r0000"]
+    assert router.drained == [f"{MODEL}/r0001", f"{MODEL}/r0000"]  # drained before the stop was sent
+    assert all(s.drain_timeout == 30.0 for s in stopped)
+    status = model_status(controller)
+    assert (status["current"], status["target"], status["stopping"]) == (1, 1, 2)
+    assert "scale_down_threshold" in status["last_scale"]["reason"]
+
+    # A draining replica finishes what it holds: its record stays until the agent says it stopped.
+    agent.send(ReplicaEvent(agent_id="a", replica_id=f"{MODEL}/r0001", state="draining"))
+    agent.send(ReplicaEvent(agent_id="a", replica_id=f"{MODEL}/r0001", state="stopped", detail="stopped on request"))
+    wait_for(lambda: f"{MODEL}/r0001" not in controller.replicas, what="stopped replica forgotten")
+    assert f"{MODEL}/r0000" in controller.replicas and controller.replicas[f"{MODEL}/r0000"].stopping
+    assert (f"{MODEL}/r0001", "scaled down, stopped") in router.lost
+    agent.quiet(StartReplica, 0.3)  # a scaled-down replica is not restarted
+
+
+def test_a_reversal_waits_for_the_cooldown_and_takes_a_fresh_id(make_controller):
+    controller, router, (agent,) = make_controller(
+        replicas=2, scheduler={"cooldown_period": 1.5, "scale_up_threshold": 0.5},
+        model={"min_replicas": 1, "max_batch_size": 2})
+    agent.hello()
+    first, second = serve_all(agent, 2)
+    served_at = time.monotonic()
+    stop = agent.expect(StopReplica)  # idle: 2 -> 1, once the start-up's scale-up is 1.5 s old
+    stopped_at = time.monotonic()
+    assert stop.replica_id == second and stopped_at - served_at >= 1.2
+    agent.send(ReplicaEvent(agent_id="a", replica_id=second, state="stopped"))
+    router.in_flight[first] = 2  # load 1.0 > 0.5 at once, but scaling up now would reverse within 1.5 s
+
+    reason = wait_for(lambda: "cooldown" in (model_status(controller)["decision"] or "")
+                      and model_status(controller)["decision"], what="a cooldown hold")
+    assert reason.startswith("hold: load 1.00 > scale_up_threshold 0.5, but cooldown")
+    start = agent.expect(StartReplica)
+    assert time.monotonic() - stopped_at >= 1.2
+    assert start.replica_id == f"{MODEL}/r0002"  # r0001 is never reused
+
+
+def test_scale_down_never_goes_below_the_model_minimum(make_controller):
+    controller, router, (agent,) = make_controller(replicas=3, scheduler={"cooldown_period": 0},
+                                                   model={"min_replicas": 2})
+    agent.hello()
+    rids = serve_all(agent, 3)
+    stop = agent.expect(StopReplica)
+    assert stop.replica_id == rids[-1]  # all idle: the newest goes
+    agent.send(ReplicaEvent(agent_id="a", replica_id=stop.replica_id, state="stopped"))
+    wait_for(lambda: len(controller.replicas) == 2, what="scaled down to 2")
+    agent.quiet(StopReplica, 0.5)
+    status = model_status(controller)
+    assert (status["current"], status["target"], status["min_replicas"]) == (2, 2, 2)
+    assert status["decision"] == "hold: load 0.00 < scale_down_threshold 0.25 but at min_replicas 2"
+
+
+def test_model_loads_count_serving_replicas_and_what_is_in_flight_on_them(tmp_path):
+    from exaserve_hpc.agent.lifecycle import ReplicaState
+    from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, model_loads, pick_for_removal
+
+    site = make_site(tmp_path, 4, model={"max_batch_size": 8})
+    records = [ReplicaRecord(f"{MODEL}/r000{i}", MODEL, agent_id="a", state=ReplicaState.SERVING) for i in range(4)]
+    records[2].state = ReplicaState.LOADING
+    records[3].stopping = True
+    routed = {r.replica_id: {"outstanding": 3, "queue_depth": 5 if i == 1 else 0} for i, r in enumerate(records)}
+    (load,) = model_loads(site, records, routed)
+    assert (load.replicas, load.queue_depth, load.capacity_per_replica, load.starting) == (2, 8, 8, 1)
+    routed[records[0].replica_id]["draining"] = True  # drained in the router: no longer serving
+    assert model_loads(site, records, routed)[0].replicas == 1
+    assert pick_for_removal(records, routed, 2) == [f"{MODEL}/r0002", f"{MODEL}/r0000"]

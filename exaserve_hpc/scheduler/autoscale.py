@@ -13,6 +13,8 @@ Policy:
   likewise, never below the model's min replicas;
 - fewer replicas than the minimum: scale up to it at once (a floor, not a
   load decision: no cooldown);
+- replicas still starting: no scale-down (the serving count is not settled,
+  e.g. mid-failover, and a removal now could undo the start under way);
 - cooldown: a reversal (up after down, or down after up) waits
   cooldown_period after the last scaling in the other direction, so there
   is at most one direction change per cooldown_period.
@@ -40,6 +42,7 @@ class ModelLoad:
     replicas: int  # replicas serving now
     queue_depth: float  # requests queued or running across them
     capacity_per_replica: float  # requests one replica serves at once (its max batch size)
+    starting: int = 0  # replicas placed but not serving yet (they count once they serve)
 
     @property
     def load(self) -> float:
@@ -132,6 +135,8 @@ def decide(load: ModelLoad, policy: AutoscalePolicy, history: ScalingHistory, no
         target = max(floor, min(n - 1, _wanted(load, policy.target_load)))
         if target >= n:
             return hold(f"load {x:.2f} < scale_down_threshold {down} but at min_replicas {floor}")
+        if load.starting:
+            return hold(f"load {x:.2f} < scale_down_threshold {down} but {load.starting} replica(s) still starting")
         direction, label = DOWN, f"load {x:.2f} < scale_down_threshold {down}"
     else:
         return hold(f"load {x:.2f} within [{down}, {up}]")

@@ -5,15 +5,21 @@ It records agent hellos, heartbeats and replica events; asks agents to start
 the replicas the placement gives their node; restarts a failed replica (a
 bounded number of times, with backoff); declares a node lost after
 `heartbeat.misses` silent intervals and takes its replicas out of routing;
-and answers `status()` for the gateway and `exaserve status`.
+scales each model's replica count with the autoscaler; and answers
+`status()` for the gateway and `exaserve status`.
 
-Decisions about *where* replicas go come from `assign_replicas`, a pure
-function; the thread only carries them out.
+Decisions about *where* replicas go come from `assign_replicas`, about *how
+many* from `Autoscaler.tick`, about *which* to stop from `pick_for_removal`:
+pure functions; the thread only carries them out. A scale-down drains the
+replica in the router first (no new requests), then asks its agent to stop
+it (it finishes what it holds, then exits); the record goes once it reports
+stopped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -30,12 +36,20 @@ from ..protocol import (
     ReplicaEvent, Shutdown, StartReplica, StopReplica, decode, encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
+from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
 from .demand import DemandHistory
-from .fleet_state import AgentRecord, ReplicaRecord, assign_replicas, desired_replicas  # noqa: F401 (re-exported)
+from .fleet_state import (  # noqa: F401 (AgentRecord, ReplicaRecord, assign_replicas re-exported)
+    AgentRecord, ReplicaRecord, assign_replicas, desired_replicas, fresh_replica_ids, model_loads,
+    pick_for_removal, unplaced_reason,
+)
 
 log = logging.getLogger("exaserve.controller")
 
 MAX_RESTARTS = 5
+
+
+def _finite(x: float) -> Optional[float]:
+    return round(x, 3) if math.isfinite(x) else None  # JSON has no infinity (no replica serving, work queued)
 
 
 class Controller:
@@ -69,6 +83,10 @@ class Controller:
         self.restored = None  # checkpoint.ControllerState this run started from (a requeued job)
         self.preferred: dict[str, str] = {}  # replica id -> node, from the restored placement
         self.demand = DemandHistory([m.model_name for m in site.models])
+        self.autoscaler = Autoscaler(AutoscalePolicy.from_site(site))
+        self.decisions: dict[str, ScaleDecision] = {}  # model -> the autoscaler's latest decision
+        self.last_scaling: dict[str, tuple[ScaleDecision, float]] = {}  # model -> (last up/down, wall time)
+        self._next_index = {m.model_name: site.initial_replicas(m) for m in site.models}  # ids never reused
         self.demand_interval = demand_interval
         self._next_demand_sample = 0.0
         self._commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
@@ -145,9 +163,28 @@ class Controller:
                      "load_source": r.load_source}
                     for r in self.replicas.values()
                 ],
+                "models": self._models_summary(),
                 "router": {k: v for k, v in self.router.snapshot().items() if k != "replicas"},
                 "restored": self._restored_summary(),
             }
+
+    def _models_summary(self) -> list[dict]:
+        """Per model: replicas serving (current) and wanted (target), the latest decision, the last scaling."""
+        summary = []
+        for model in self.site.models:
+            name = model.model_name
+            mine = [r for r in self.replicas.values() if r.model == name]
+            latest, (scaled, at) = self.decisions.get(name), self.last_scaling.get(name, (None, 0.0))
+            summary.append({
+                "model": name, "min_replicas": self.site.min_replicas(model),
+                "current": sum(r.serving for r in mine), "target": sum(not r.stopping for r in mine),
+                "stopping": sum(r.stopping for r in mine),
+                "load": _finite(latest.load) if latest is not None else None,
+                "decision": latest.reason if latest is not None else None,
+                "last_scale": ({"at": round(at, 3), "from": scaled.current, "to": scaled.target,
+                                "load": _finite(scaled.load), "reason": scaled.reason}
+                               if scaled is not None else None)})
+        return summary
 
     def _restored_summary(self) -> Optional[dict]:
         state = self.restored
@@ -235,6 +272,9 @@ class Controller:
         record = self.replicas.get(failed.replica_id)
         if record is None or record.agent_id != agent_id:
             return
+        if record.stopping:  # scaled down while it loaded: nothing to move
+            self._forget(record, "scaled down, weights did not load")
+            return
         record.tried_agents.add(agent_id)
         counts: dict[str, int] = {}
         for r in self.replicas.values():
@@ -271,6 +311,11 @@ class Controller:
         record.transitions.append((state.value, event.seconds_in_previous_state))
         log.info("replica %s %s (%.2fs in previous state) %s", record.replica_id, state.value,
                  event.seconds_in_previous_state, event.detail)
+        if record.stopping and state.terminal:
+            self._forget(record, f"scaled down, {state.value}")
+            if self.on_replica_state is not None:
+                self.on_replica_state(record)
+            return
         if state is ReplicaState.SERVING:
             record.tried_agents.clear()
         if state is ReplicaState.FAILED:
@@ -295,9 +340,12 @@ class Controller:
                     self.lost_at[agent.agent_id] = now
                     log.error("node %s lost: no heartbeat for %.1fs (%d x %.1fs)", agent.agent_id,
                               now - agent.last_seen, self.site.heartbeat.misses, self.site.heartbeat.interval)
-                    for record in self.replicas.values():
+                    for record in list(self.replicas.values()):
                         if record.agent_id == agent.agent_id:
                             self.router.replica_lost(record.replica_id, f"node {agent.agent_id} lost")
+                            if record.stopping:  # it was leaving anyway: not re-placed
+                                self._forget(record, f"scaled down, node {agent.agent_id} lost")
+                                continue
                             record.agent_id = None
                             record.state = ReplicaState.PENDING
             for record in self.replicas.values():
@@ -305,6 +353,7 @@ class Controller:
                         and record.restart_at and now >= record.restart_at and record.agent_id:
                     record.restart_at = 0.0
                     self._start(record)
+            self._autoscale(now)
             self._place(now)
             if now >= self._next_demand_sample:
                 self._next_demand_sample = now + self.demand_interval
@@ -342,18 +391,79 @@ class Controller:
                 continue  # no checkpoint yet: nothing to prefetch
         return sizes
 
+    # ---------------------------------------------------------------- autoscaling
+
+    def _autoscale(self, now: float) -> None:
+        """One autoscaler tick: loads from the router's counters, decisions carried out at once."""
+        routed = {r["replica_id"]: r for r in self.router.snapshot().get("replicas", [])}
+        for decision in self.autoscaler.tick(model_loads(self.site, self.replicas.values(), routed), now):
+            self.decisions[decision.model] = decision
+            if decision.direction == HOLD:
+                log.debug("autoscale %s: %s", decision.model, decision.reason)
+                continue
+            log.info("autoscale %s: %s", decision.model, decision.reason)
+            self.last_scaling[decision.model] = (decision, time.time())
+            if decision.direction == UP:
+                self._scale_up(decision)
+            else:
+                self._scale_down(decision, routed)
+
+    def _active(self, model: str) -> list[ReplicaRecord]:
+        return [r for r in self.replicas.values() if r.model == model and not r.stopping]
+
+    def _scale_up(self, decision: ScaleDecision) -> None:
+        """New records for the missing replicas; `_place` starts them where there is room. The decision
+        counts serving replicas; the ones already starting count here, so a slow start adds no extras."""
+        missing = decision.target - len(self._active(decision.model))
+        rids = fresh_replica_ids(decision.model, self._next_index[decision.model], self.replicas, missing)
+        for rid in rids:
+            self.replicas[rid] = ReplicaRecord(rid, decision.model, detail=f"added by autoscaler: {decision.reason}")
+        if rids:
+            self._next_index[decision.model] = int(rids[-1].rpartition("/r")[2]) + 1
+            log.info("autoscale %s: adding %s", decision.model, ", ".join(rids))
+
+    def _scale_down(self, decision: ScaleDecision, routed: dict[str, dict]) -> None:
+        active = self._active(decision.model)
+        keep = max(decision.target, self.site.min_replicas(self.site.model(decision.model)))
+        for rid in pick_for_removal(active, routed, len(active) - keep):
+            self._retire(self.replicas[rid], decision.reason)
+
+    def _retire(self, record: ReplicaRecord, reason: str) -> None:
+        """Stop one replica without failing a request: out of routing first, then drain and exit."""
+        record.stopping = True
+        record.detail = f"scaling down: {reason}"
+        agent = self.agents.get(record.agent_id) if record.agent_id else None
+        if agent is None or agent.lost or record.state.terminal:
+            self._forget(record, "scaled down before it ran")  # no process to stop
+            return
+        log.info("autoscale: draining %s on %s", record.replica_id, record.agent_id)
+        self.router.drain(record.replica_id)
+        # The replica drains for its own drain_timeout; the agent kills it if that runs 5 s over.
+        self._send(record.agent_id, StopReplica(replica_id=record.replica_id,
+                                                drain_timeout=self._spec(record).drain_timeout))
+
+    def _forget(self, record: ReplicaRecord, why: str) -> None:
+        self.replicas.pop(record.replica_id, None)
+        self.router.replica_lost(record.replica_id, why)  # a no-op once its ReplicaBye took it out
+        log.info("replica %s forgotten: %s", record.replica_id, why)
+
+    # ---------------------------------------------------------------- placement
+
     def _place(self, now: float) -> None:
         if self.expected_agents - set(self.agents) and now < self._placement_opens:
             return  # still waiting for agents the bootstrap announced
         live = [a.agent_id for a in self.agents.values() if not a.lost]
         current = {rid: r.agent_id for rid, r in self.replicas.items()}
+        max_per_node = self.site.scheduler.max_replicas_per_node
         wanted = assign_replicas([(rid, r.model) for rid, r in self.replicas.items()], live, current,
-                                 self.site.scheduler.max_replicas_per_node, self.preferred)
+                                 max_per_node, self.preferred)
         for rid, agent_id in wanted.items():
             record = self.replicas[rid]
             if agent_id is not None and record.agent_id is None:
                 record.agent_id = agent_id
                 self._start(record)
+            elif agent_id is None and record.state is ReplicaState.PENDING:
+                record.detail = unplaced_reason(len(live), max_per_node)
 
     def _spec(self, record: ReplicaRecord) -> StartReplica:
         model = self.site.model(record.model)

@@ -2,11 +2,14 @@
 
 `AgentRecord` and `ReplicaRecord` are the controller's view of each node agent
 and replica; `assign_replicas` decides which live agent starts each replica
-that has none (no sockets, no clock: the controller thread carries it out).
+that has none, `model_loads` turns the records and the router's counters into
+the autoscaler's input, and `pick_for_removal` chooses what a scale-down stops
+(no sockets, no clock: the controller thread carries them out).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,6 +17,8 @@ from ..agent.lifecycle import ReplicaState
 from ..agent.load_failover import NodeView
 from ..config import SiteConfig
 from ..protocol import L2Status, MemoryPoolStatus
+from .autoscale import ModelLoad
+from .plan import replica_id, replica_index
 
 
 @dataclass
@@ -53,6 +58,17 @@ class ReplicaRecord:
     load_bytes_total: int = 0
     load_source: str = ""
     tried_agents: set[str] = field(default_factory=set)  # agents whose weight load failed for it (load failover)
+    stopping: bool = False  # scaled down: drained and told to stop; forgotten once it reports stopped
+
+    @property
+    def serving(self) -> bool:
+        return self.state is ReplicaState.SERVING and not self.stopping
+
+    @property
+    def starting(self) -> bool:
+        """Placed on a node and on its way to serving (not stopping, not failed)."""
+        return (self.agent_id is not None and not self.stopping and not self.state.terminal
+                and self.state is not ReplicaState.SERVING)
 
 
 def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
@@ -90,3 +106,48 @@ def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current:
         result[rid] = agent
         counts[agent] += 1
     return result
+
+
+def in_flight(routed: Mapping[str, dict], rid: str) -> int:
+    """Requests queued at or running on a replica, from the router snapshot's entry for it."""
+    entry = routed.get(rid, {})
+    return max(entry.get("outstanding", 0), entry.get("queue_depth", 0))
+
+
+def model_loads(site: SiteConfig, records: Iterable[ReplicaRecord], routed: Mapping[str, dict]) -> list[ModelLoad]:
+    """One ModelLoad per site model: its serving replicas (those still routed and not draining) and the
+    requests in flight on them; `routed` maps replica id -> the router snapshot's entry."""
+    by_model: dict[str, list[ReplicaRecord]] = {m.model_name: [] for m in site.models}
+    for record in records:
+        if record.model in by_model:
+            by_model[record.model].append(record)
+    loads = []
+    for model in site.models:
+        mine = by_model[model.model_name]
+        serving = [r.replica_id for r in mine if r.serving and not routed.get(r.replica_id, {}).get("draining")]
+        loads.append(ModelLoad(model.model_name, len(serving), sum(in_flight(routed, rid) for rid in serving),
+                               site.max_batch_size(model), starting=sum(r.starting for r in mine)))
+    return loads
+
+
+def fresh_replica_ids(model: str, next_index: int, taken: Iterable[str], count: int) -> list[str]:
+    """`count` new ids `{model}/rNNNN`, numbered from `next_index` on and past every id in `taken`: an id
+    once used is never given to another replica, so logs and the router never confuse two of them."""
+    highest = max((replica_index(rid) for rid in taken if rid.startswith(f"{model}/r")), default=-1)
+    start = max(next_index, highest + 1)
+    return [replica_id(model, start + k) for k in range(count)]
+
+
+def pick_for_removal(records: Iterable[ReplicaRecord], routed: Mapping[str, dict], count: int) -> list[str]:
+    """The `count` replicas a scale-down stops: those not serving first (nothing in flight), then the
+    fewest requests in flight, then the newest."""
+    ranked = sorted((r for r in records if not r.stopping),
+                    key=lambda r: (r.serving, in_flight(routed, r.replica_id), -replica_index(r.replica_id)))
+    return [r.replica_id for r in ranked[:max(0, count)]]
+
+
+def unplaced_reason(live_agents: int, max_per_node: int) -> str:
+    if not live_agents:
+        return "not placed: no live node agent"
+    return (f"not placed: all {live_agents} live node(s) hold max_replicas_per_node ({max_per_node}); "
+            "waits for room")

@@ -35,7 +35,7 @@ def echo_site(directory: Path, replicas: int = 4, heartbeat: str = "2s", misses:
     data = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
     model = data["models"][0]
     model.pop("tiny", None)
-    model.update(engine="echo", replicas=replicas)
+    model.update(engine="echo", replicas=replicas, min_replicas=replicas)  # no autoscaling mid-test
     data["weight_cache"]["l3_path"] = str(directory / "models")
     data["run_dir"] = str(directory / "run")
     data["heartbeat"] = {"interval": heartbeat, "misses": misses}

@@ -71,8 +71,10 @@ def test_capacity_floor_requeues_with_checkpoint_and_the_restart_restores_it(slu
                 info = client.job(job.job_id)
             except SlurmError:
                 return None
-            return info if info.state is JobState.PENDING and info.restarts >= 1 else None
-        info = wait(pending, 90, "the job to be pending again after the requeue", job)
+            # The exclusion is set right after the requeue (SlurmClient.requeue): wait for both.
+            requeued = info.state is JobState.PENDING and info.restarts >= 1 and victim in info.excluded_nodes
+            return info if requeued else None
+        info = wait(pending, 90, f"the job to be pending again after the requeue, excluding {victim}", job)
         assert victim in info.excluded_nodes, info
         subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], capture_output=True,
                        timeout=30)

@@ -1,0 +1,109 @@
+"""`exaserve serve` scales with load: a burst of concurrent requests adds replicas, idle removes them down to
+the model's minimum, and no request fails on the way (scale-down drains before it stops).
+
+The site: one replica to start, min_replicas 1, max_batch_size 2 (so a few concurrent requests are load
+above scale_up_threshold 0.5), a 0.2 s scheduler tick and a 2 s cooldown. The tiny reference model keeps
+requests busy for a while; max_replicas_per_node 3 bounds how many replica processes the burst starts.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.test_serve_process import ROOT, start_serve
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def site_file(tmp_path: Path) -> Path:
+    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
+    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
+    site["run_dir"] = str(tmp_path / "run")
+    site["scheduler"].update(tick_interval="200ms", cooldown_period="2s", scale_up_threshold=0.5,
+                             min_replicas_per_model=1, max_replicas_per_node=3)
+    site["models"][0].update(replicas=1, min_replicas=1, max_batch_size=2)
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(site))
+    return path
+
+
+def ask(client: openai.OpenAI, stop: threading.Event, pause: float = 0.0) -> list[str]:
+    """Requests one after another until `stop`; returns each one's outcome ("ok" or the error)."""
+    outcomes = []
+    while not stop.is_set():
+        try:
+            completion = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=48)
+            outcomes.append("ok" if completion.usage.completion_tokens >= 1 else "no tokens")
+        except openai.OpenAIError as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        time.sleep(pause)
+    return outcomes
+
+
+def wait_status(url: str, predicate, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()
+        if predicate(status):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; models {json.dumps(status.get('models'))}, "
+                         f"replicas {[(r['replica_id'], r['state']) for r in status.get('replicas', [])]}")
+
+
+def serving(status: dict) -> int:
+    return sum(r["state"] == "serving" for r in status["replicas"])
+
+
+def test_a_burst_scales_up_then_idle_scales_down_to_the_minimum_and_no_request_fails(site_file, tmp_path):
+    process, url, lines = start_serve(site_file)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        burst, trickle = threading.Event(), threading.Event()
+        with ThreadPoolExecutor(9) as pool:
+            busy = [pool.submit(ask, client, burst) for _ in range(8)]
+            slow = pool.submit(ask, client, trickle, 0.3)  # keeps going through the scale-down
+            try:
+                up = wait_status(url, lambda s: serving(s) >= 2, 30, "a scale-up to 2+ serving replicas")
+            finally:
+                burst.set()
+            outcomes = [o for f in busy for o in f.result()]
+            model = up["models"][0]
+            assert model["last_scale"]["to"] > 1 and "scale_up_threshold 0.5" in model["last_scale"]["reason"]
+
+            down = wait_status(url, lambda s: serving(s) == 1 and len(s["replicas"]) == 1, 20,
+                               "a scale-down to the one-replica minimum")
+            trickle.set()
+            outcomes += slow.result()
+        assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"][:5]
+        model = down["models"][0]
+        assert (model["current"], model["target"], model["min_replicas"]) == (1, 1, 1)
+        assert "scale_down_threshold" in model["last_scale"]["reason"]
+        assert down["router"]["failed"] == 0
+
+        table = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--url", url],
+                               capture_output=True, text=True, timeout=30)
+        assert "models" in table.stdout and "1/1" in table.stdout, table.stdout
+    except BaseException:
+        process.kill()
+        raise
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=45) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
