@@ -9,7 +9,6 @@ requests busy for a while; max_replicas_per_node 3 bounds how many replica proce
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import openai
 import pytest
 import yaml
 
-from tests.test_serve_process import ROOT, start_serve
+from serve_harness import ROOT, start_serve, stop_serve
 
 pytestmark = pytest.mark.process
 
@@ -101,9 +100,4 @@ def test_a_burst_scales_up_then_idle_scales_down_to_the_minimum_and_no_request_f
     except BaseException:
         process.kill()
         raise
-    process.send_signal(signal.SIGTERM)
-    try:
-        assert process.wait(timeout=45) == 0, "".join(lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    stop_serve(process, lines)

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,20 +13,9 @@ import openai
 import pytest
 import yaml
 
+from serve_harness import ROOT, alive, start_serve, stop_serve
+
 pytestmark = pytest.mark.process
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -41,29 +26,6 @@ def site_file(tmp_path: Path) -> Path:
     path = tmp_path / "site.yaml"
     path.write_text(yaml.safe_dump(site))
     return path
-
-
-def start_serve(site_file: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    process = subprocess.Popen([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
-                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    url_box: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            match = re.search(r"serving .* at (http://\S+)/v1", line)
-            if match:
-                url_box.append(match.group(1))
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 90
-    while not url_box:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError("exaserve serve did not become ready:\n" + "".join(lines))
-        time.sleep(0.1)
-    return process, url_box[0], lines
 
 
 def test_serve_answers_then_stops_cleanly_on_sigterm(site_file, tmp_path):
@@ -94,12 +56,7 @@ def test_serve_answers_then_stops_cleanly_on_sigterm(site_file, tmp_path):
     except BaseException:
         process.kill()
         raise
-    process.send_signal(signal.SIGTERM)
-    try:
-        assert process.wait(timeout=45) == 0, "".join(lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    stop_serve(process, lines)
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -6,12 +6,13 @@ tests can check that none outlives its failure.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
 
 import zmq
+
+from serve_harness import alive  # noqa: F401 (re-exported for the agent tests)
 
 from exaserve_hpc.agent.node_agent import NodeAgent
 from exaserve_hpc.cache.checkpoint import TinyModelSpec
@@ -20,17 +21,6 @@ from exaserve_hpc.protocol import (
 )
 
 TINY = TinyModelSpec(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=48, max_position=128, shards=2)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 class AgentUnderTest:

@@ -1,0 +1,58 @@
+"""Running a real `exaserve serve` from a test: start it, wait for its URL, stop it, check nothing is left."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def start_serve(site_file: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    process = subprocess.Popen([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    url_box: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            match = re.search(r"serving .* at (http://\S+)/v1", line)
+            if match:
+                url_box.append(match.group(1))
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 90
+    while not url_box:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("exaserve serve did not become ready:\n" + "".join(lines))
+        time.sleep(0.1)
+    return process, url_box[0], lines
+
+
+def stop_serve(process: subprocess.Popen, lines: list[str], timeout: float = 45) -> None:
+    """SIGTERM, as a scheduler or Ctrl-C would; exaserve must drain and exit 0 in time."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=timeout) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
