@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- status
 
 
-def _status_url(args: argparse.Namespace) -> str:
+def running_server_url(args: argparse.Namespace) -> str:
     if args.url:
         return args.url.rstrip("/")
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else _load(args.site).run_path
@@ -61,7 +61,7 @@ def _status_url(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = _status_url(args)
+    url = running_server_url(args)
     try:
         with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
             status = json.load(response)

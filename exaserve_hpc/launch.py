@@ -108,7 +108,7 @@ def build_router(site: SiteConfig) -> ZmqRouter:
     return ZmqRouter(dispatcher, r.host, r.frontend_port, r.backend_port).start()
 
 
-def _gateway_server(app, **config):
+def gateway_server(app, **config):
     """A uvicorn server that stops on SIGINT/SIGTERM and returns, so our cleanup runs.
 
     uvicorn re-raises the captured signal after its own shutdown, which would
@@ -155,7 +155,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
     app = create_app(client, site)
-    server = _gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+    server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     state_file = write_state(run_dir, url, site)
     wanted = sum(site.initial_replicas(m) for m in site.models)

@@ -109,20 +109,14 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds (start verifies the checkpoint)")
 
 
-def _server_url(args: argparse.Namespace) -> str:
-    if getattr(args, "url", None):
-        return args.url.rstrip("/")
-    from ..cli import _status_url  # the running server recorded in run_dir, like `exaserve status`
-    return _status_url(args)
-
-
 def cmd_rollout(args: argparse.Namespace) -> int:
     body = {"model": args.model, "version": args.version}
     if args.action == "start":
         body["weight"] = args.weight
         if args.model_dir:
             body["model_dir"] = os.path.abspath(args.model_dir)
-    url = f"{_server_url(args)}{ROUTE}/{args.action}"
+    from ..cli import running_server_url  # --url, else the server recorded in run_dir
+    url = f"{running_server_url(args)}{ROUTE}/{args.action}"
     headers = {"Content-Type": "application/json"}
     if args.admin_key:
         headers["Authorization"] = f"Bearer {args.admin_key}"

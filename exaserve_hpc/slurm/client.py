@@ -18,6 +18,7 @@ import abc
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -68,6 +69,23 @@ def run_command(command: Sequence[str], timeout: float) -> CommandResult:
     return CommandResult(done.returncode, done.stdout, done.stderr)
 
 
+def run_detached_until_ok(command: Sequence[str], attempts: int = 150, interval: float = 0.2) -> None:
+    """Retry `command` until it exits 0, from a process outside this one's process tree.
+
+    Requeueing our own job makes Slurm kill every process of the job step,
+    this one included, within milliseconds; what must still happen after the
+    requeue (setting the excluded nodes, which Slurm 22.05 accepts only once
+    the job is pending again) runs in an orphaned shell that proctrack/linuxproc
+    no longer counts as the step's. (A cgroup-based proctrack would still kill
+    it: there, Slurm's own DOWN marking of the lost node is what keeps it out.)
+    """
+    quoted = " ".join(shlex.quote(part) for part in command)
+    script = (f"( i=0; while [ $i -lt {attempts} ]; do {quoted} >/dev/null 2>&1 && exit 0; "
+              f"i=$((i+1)); sleep {interval}; done ) &")
+    subprocess.run(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+
+
 class SlurmClient(abc.ABC):
     """What the rest of exaserve may ask of Slurm. States come back as our enums."""
 
@@ -112,9 +130,11 @@ class CliSlurmClient(SlurmClient):
 
     backend = "cli"
 
-    def __init__(self, runner: Runner = run_command, timeout: float = 30.0):
+    def __init__(self, runner: Runner = run_command, timeout: float = 30.0,
+                 detached: Callable[[Sequence[str]], None] = run_detached_until_ok):
         self.runner = runner
         self.timeout = timeout
+        self.detached = detached
 
     def _run(self, *command: str) -> str:
         result = self.runner(command, self.timeout)
@@ -158,10 +178,11 @@ class CliSlurmClient(SlurmClient):
 
     def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
         # Slurm 22.05 refuses ExcNodeList on a running job ("Job is no longer pending execution") but takes
-        # it once the requeue has made the job pending again (while its old run is still completing).
-        self._run("scontrol", "requeue", str(job_id))
+        # it once the requeue has made the job pending again. The requeue kills the caller when the caller
+        # is the job itself, so the exclusion is handed to a detached retry loop *before* requeueing.
         if exclude:
-            self.update_job(job_id, ExcNodeList=compress_hostlist(list(exclude)))
+            self.detached(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={compress_hostlist(list(exclude))}"])
+        self._run("scontrol", "requeue", str(job_id))
 
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:
         command = ["scancel"] + ([f"--signal={signal}"] if signal else []) + (["--batch"] if batch_only else [])

@@ -7,8 +7,8 @@ node (in a thread); every other rank runs its node's agent. The bootstrap (boots
 the role, exchanges inventories and publishes the controller's address and CURVE key in the
 job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
 
-Wire into the CLI with add_launch_arguments/cmd_launch; until then:
-`python -m exaserve_hpc.slurm.launch_rank ...` (what the rendered sbatch script runs).
+The rendered sbatch script runs it as `python -m exaserve_hpc.slurm.launch_rank ...` with the
+install's own interpreter, so ranks need no PATH set up.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..bootstrap import (
     exchange_inventories, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
     wait_for_controller, _mpi_comm,
 )
-from ..config import ConfigError, SiteConfig, load_site, resolve_site
+from ..config import SiteConfig, load_site, resolve_site
 
 log = logging.getLogger("exaserve.launch")
 
@@ -70,7 +70,7 @@ def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
 
 def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories: list[NodeInventory],
                    args: argparse.Namespace, comm=None) -> int:
-    from ..launch import _gateway_server, build_router, ensure_checkpoints, listen_socket, write_state
+    from ..launch import gateway_server, build_router, ensure_checkpoints, listen_socket, write_state
     from ..router.backend import ModelInfo
     from ..router.client import RouterClient
     from ..router.gateway import create_app
@@ -108,7 +108,7 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
-    server = _gateway_server(create_app(client, site), log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+    server = gateway_server(create_app(client, site), log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     try:
         server.run(sockets=[listener])
@@ -150,6 +150,7 @@ def start_requeuer(controller, rank: RankInfo, jobdir: JobDir, nodes: list[str],
     from ..scheduler.requeue import RequeuePolicy
     from .client import CliSlurmClient, SlurmError
     from .requeue import Requeuer
+    from .sbatch import default_launcher
     client = CliSlurmClient()
     deadline = None
     if args.time_margin > 0:
@@ -162,8 +163,8 @@ def start_requeuer(controller, rank: RankInfo, jobdir: JobDir, nodes: list[str],
     companions = None
     if args.replace_lost_nodes:
         from .replacement import CompanionJobs
-        launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank"
-        companions = CompanionJobs(client, rank.job_id, jobdir.path, str(resolve_site(args.site)), launcher)
+        companions = CompanionJobs(client, rank.job_id, jobdir.path, str(resolve_site(args.site)),
+                                   default_launcher())
     return Requeuer(controller, jobdir.path, rank.job_id, rank.restart, client, nodes, rank.node, policy,
                     deadline, companions=companions).start()
 
@@ -181,21 +182,22 @@ def run_joining_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout:
               file=sys.stderr)
         return 1
     info = ControllerInfo(**data)
-    keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
-    agent = _make_agent(info.endpoint, rank, site, keys)
-    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print(f"exaserve: replacement node {rank.node} joined {info.endpoint} (job {info.job_id})", flush=True)
-    return agent.run()
+    return _run_agent_for(info, site, rank, jobdir,
+                          f"replacement node {rank.node} joined {info.endpoint} (job {info.job_id})")
 
 
 def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> int:
     info = wait_for_controller(rank, jobdir, comm)
+    return _run_agent_for(info, site, rank, jobdir, f"rank {rank.rank} on {rank.node}: agent joined {info.endpoint}")
+
+
+def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
+    """This node's agent, connected to the published controller (with its CURVE key when it has one)."""
     keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
     agent = _make_agent(info.endpoint, rank, site, keys)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print(f"exaserve: rank {rank.rank} on {rank.node}: agent joined {info.endpoint}", flush=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every task; the controller orders the stop
+    print(f"exaserve: {joined}", flush=True)
     return agent.run()
 
 
@@ -218,16 +220,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="exaserve launch", description="Run one rank of the exaserve job.")
-    add_launch_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        return cmd_launch(args)
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
+    """`python -m exaserve_hpc.slurm.launch_rank ARGS` is `exaserve launch ARGS`."""
+    from ..cli import main as cli_main
+    return cli_main(["launch", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

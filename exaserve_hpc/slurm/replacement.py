@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .client import SlurmClient, SlurmError
 from .hostlist import compress_hostlist
-from .sbatch import slurm_duration
+from .sbatch import default_launcher, slurm_duration
 
 log = logging.getLogger("exaserve.replacement")
 
@@ -33,7 +32,7 @@ def companion_name(job_id: str) -> str:
 def render_companion(job_id: str, job_dir: Path, site_file: str, nodes: int, exclude: Sequence[str] = (),
                      time_limit: Optional[float] = None, launcher: Optional[str] = None,
                      partition: Optional[str] = None, account: Optional[str] = None) -> str:
-    launcher = launcher or f"{shlex.quote(sys.executable)} -m exaserve_hpc.slurm.launch_rank"
+    launcher = launcher or default_launcher()
     directives = [f"--job-name={companion_name(job_id)}", f"--nodes={nodes}", "--ntasks-per-node=1", "--no-kill",
                   f"--output={Path(job_dir).parent}/{companion_name(job_id)}-%j.out", "--open-mode=append"]
     if exclude:

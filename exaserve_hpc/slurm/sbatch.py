@@ -41,6 +41,11 @@ class SbatchOptionError(ValueError):
     pass
 
 
+
+def default_launcher() -> str:
+    """The per-rank command: this install's Python running `exaserve launch`'s module (no PATH needed)."""
+    return f"{shlex.quote(sys.executable)} -m exaserve_hpc.slurm.launch_rank"
+
 def valid_options() -> str:
     return ", ".join(f"{k} (default {v!r})" for k, v in SBATCH_OPTIONS.items())
 
@@ -89,7 +94,7 @@ def render_sbatch(**options: Any) -> str:
                         "type module >/dev/null 2>&1 || source /etc/profile.d/lmod.sh 2>/dev/null "
                         "|| source /usr/share/lmod/lmod/init/bash\n"
                         f"module load {' '.join(shlex.quote(m) for m in modules)} || exit 1")
-    launcher = o["launcher"] or f"{shlex.quote(sys.executable)} -m exaserve_hpc.slurm.launch_rank"
+    launcher = o["launcher"] or default_launcher()
     text = TEMPLATE.read_text()
     replacements = {
         "@@DIRECTIVES@@": "\n".join(f"#SBATCH {d}" for d in directives),

@@ -3,8 +3,7 @@
 Renders sbatch/exaserve.sbatch from the site config and submits it with
 `sbatch --parsable`; prints the job id and the job directory. --dry-run
 prints the script instead. Exit codes: 0 submitted (or printed), 1 Slurm
-refused, 2 bad input. Wire into the CLI with add_submit_arguments/cmd_submit;
-until then: `python -m exaserve_hpc.slurm.submit ...`.
+refused, 2 bad input.
 """
 
 from __future__ import annotations
@@ -80,14 +79,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="exaserve submit", description="Submit the exaserve Slurm job.")
-    add_submit_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return cmd_submit(args)
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
+    """`python -m exaserve_hpc.slurm.submit ARGS` is `exaserve submit ARGS`."""
+    from ..cli import main as cli_main
+    return cli_main(["submit", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

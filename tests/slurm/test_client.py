@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,30 @@ def test_failure_carries_command_exit_code_and_stderr(tmp_path):
     assert "invalid partition" in error.stderr and "exited with 1" in str(error)
 
 
-def test_requeue_then_excludes_the_dead_nodes_while_the_job_is_pending():
+def test_requeue_hands_the_exclusion_to_a_detached_retry_before_requeueing():
     runner = FakeRunner({})
-    CliSlurmClient(runner).requeue(7, exclude=["n3", "n4"])
-    assert runner.calls == [["scontrol", "requeue", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"]]
+
+    def detached(command):
+        runner.calls.append(["<detached>", *command])
+
+    CliSlurmClient(runner, detached=detached).requeue(7, exclude=["n3", "n4"])
+    # The detached loop is started first: the requeue may kill the caller (the job itself) at once.
+    assert runner.calls == [["<detached>", "scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"],
+                            ["scontrol", "requeue", "7"]]
+
+
+def test_detached_retry_outlives_its_caller_and_stops_at_success(tmp_path):
+    from exaserve_hpc.slurm.client import run_detached_until_ok
+
+    marker = tmp_path / "ran"
+    # Fails twice (no file yet -> creates it on the 1st, succeeds once it holds 3 lines), then stops.
+    script = f'echo x >> {marker}; [ $(wc -l < {marker}) -ge 3 ]'
+    run_detached_until_ok(["sh", "-c", script], attempts=20, interval=0.05)
+    deadline = time.monotonic() + 10
+    while (not marker.exists() or marker.read_text().count("x") < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert marker.read_text().count("x") == 3
 
 
 def test_jobs_and_nodes_come_back_as_our_enums():
