@@ -1,18 +1,23 @@
 """Weight tier benchmark: L3 -> L2 and L2 -> L1 against raw baselines, and replica cold start hit vs miss.
 
 Run: .venv/bin/python benchmarks/bench_weights.py [--size-gb 2] [--rounds 3] [--dir /tmp/...]
+                                                    [--shm /dev/shm] [--huge-tmpfs auto|no|PATH]
 
 Side by side in one run on a checkpoint of --size-gb (float32 Llama-style,
 written with the tiny-checkpoint creator and a real manifest):
 - L3 -> L2: copy_verified (BLAKE3 checked: the manifest's read digest) into
-  /dev/shm, against a raw sequential read of the same files (readinto a
+  --shm (a tmpfs with 4 KiB pages, as /dev/shm usually is) and into a tmpfs
+  with huge pages (``huge=within_size``: ``auto`` mounts one in a temp dir
+  when run as root; or give the path of one; weight_cache.l2_path is where a
+  site puts L2), against a raw sequential read of the same files (readinto a
   reused buffer, like dd to /dev/null; and numpy.fromfile into fresh
   memory), page cache dropped before every measurement when
   /proc/sys/vm/drop_caches is writable. The variants run interleaved, one
   of each per round, so a slow spell of a shared disk hits all of them; the
   ratio is also given per round (copy / raw read of the same round).
 - L2 -> L1: load_from_l2 (shared memory -> private numpy arrays), against a
-  raw memcpy of the same bytes from the same mappings into fresh arrays.
+  raw memcpy of the same bytes from the same mappings into fresh arrays, on
+  each L2 kind.
 - Replica cold start through a real node agent: L3 miss (cold page cache)
   vs L2 hit, time from StartReplica to "serving".
 Medians over --rounds, min and max alongside. Files are removed at the end.
@@ -25,6 +30,7 @@ import mmap
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +69,21 @@ def pretouch(nbytes: int) -> None:
     for _ in range(max(1, nbytes // (1 << 30))):
         a = np.ones(1 << 30, np.uint8)
         del a
+
+
+def huge_tmpfs(how: str) -> tuple[Path | None, str]:
+    """(a tmpfs directory with huge pages, "mounted" | "given") or (None, why not)."""
+    if how == "no":
+        return None, "--huge-tmpfs no"
+    if how != "auto":
+        return Path(tempfile.mkdtemp(prefix="exaserve-bench-l2h-", dir=how)), "given"
+    point = Path(tempfile.mkdtemp(prefix="exaserve-bench-l2h-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=50%", "tmpfs", str(point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        point.rmdir()
+        return None, f"mount failed ({done.stderr.strip() or done.returncode}); run as root or give --huge-tmpfs PATH"
+    return point, "mounted"
 
 
 def spec_for(size_gb: float) -> TinyModelSpec:
@@ -206,10 +227,13 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the L3 checkpoint (default: a temp dir in /tmp)")
-    parser.add_argument("--shm", default="/dev/shm")
+    parser.add_argument("--shm", default="/dev/shm", help="the usual L2 tmpfs (4 KiB pages)")
+    parser.add_argument("--huge-tmpfs", default="auto",
+                        help="a tmpfs with huge pages: auto (mount one if root), no, or its path")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="exaserve-bench-weights-", dir=args.dir))
     shm = Path(tempfile.mkdtemp(prefix="exaserve-bench-l2-", dir=args.shm))
+    huge, mounted = huge_tmpfs(args.huge_tmpfs)
     try:
         spec = spec_for(args.size_gb)
         t = time.perf_counter()
@@ -225,33 +249,45 @@ def main() -> int:
         cold = drop_caches if dropped else None
 
         print(f"L3 -> L2 (cold page cache), median of {args.rounds}, interleaved:")
-        times = interleaved({
-            "raw": lambda: raw_read(ckpt, names),
-            "fromfile": lambda: raw_fromfile(ckpt, names),
-            "blake3": lambda: l3_to_l2(ckpt, shm),
-            "none": lambda: l3_to_l2(ckpt, shm, ()),
-        }, args.rounds, cold)
+        kinds = {"4k": (shm, "4 KiB pages")}
+        if huge is not None:
+            kinds["huge"] = (huge, "huge pages")
+        else:
+            print(f"  (no huge-page tmpfs: {mounted})")
+        variants = {"raw": lambda: raw_read(ckpt, names), "fromfile": lambda: raw_fromfile(ckpt, names)}
+        for kind, (where, _) in kinds.items():
+            variants[f"blake3 {kind}"] = lambda where=where: l3_to_l2(ckpt, where)
+            variants[f"none {kind}"] = lambda where=where: l3_to_l2(ckpt, where, ())
+        times = interleaved(variants, args.rounds, cold)
         times["sha256"] = measure(lambda: l3_to_l2(ckpt, shm, ("sha256",)), 1, cold)
         raw = line("raw sequential read (readinto, like dd)", total, times["raw"])
         fromfile = line("raw numpy.fromfile (fresh memory)", total, times["fromfile"])
-        ours = line("copy_verified -> /dev/shm, blake3 checked", total, times["blake3"])
-        line("copy_verified -> /dev/shm, no checksum", total, times["none"])
-        legacy = line("copy_verified -> /dev/shm, sha256 (old)", total, times["sha256"])
-        paired = sorted(r / b for r, b in zip(times["raw"], times["blake3"]))
-        print(f"  => L3->L2 (blake3) = {ours / raw:.0%} of raw read, {ours / fromfile:.0%} of numpy.fromfile "
-              f"(target >= 80%); per round {', '.join(f'{p:.0%}' for p in paired)}; "
-              f"sha256 fallback: {legacy / raw:.0%} of raw read")
+        results = {}
+        for kind, (where, pages) in kinds.items():
+            results[kind] = line(f"copy_verified, blake3, {pages}", total, times[f"blake3 {kind}"])
+            line(f"copy_verified, no checksum, {pages}", total, times[f"none {kind}"])
+        legacy = line("copy_verified, sha256 (old), 4 KiB pages", total, times["sha256"])
+        for kind, (where, pages) in kinds.items():
+            paired = sorted(r / b for r, b in zip(times["raw"], times[f"blake3 {kind}"]))
+            print(f"  => L3->L2 (blake3, {pages}) = {results[kind] / raw:.0%} of raw read, "
+                  f"{results[kind] / fromfile:.0%} of numpy.fromfile (target >= 80%); "
+                  f"per round {', '.join(f'{p:.0%}' for p in paired)}")
+        print(f"  => sha256 fallback: {legacy / raw:.0%} of raw read")
 
-        l3_to_l2(ckpt, shm)
-        entry = shm / "entry"
         print(f"L2 -> L1, median of {args.rounds}:")
-        memcpy = line("raw memcpy of the same bytes (fresh arrays)", total, measure(lambda: raw_memcpy(entry), args.rounds))
-        l1 = line("load_from_l2 (tensors -> private arrays)", total, measure(lambda: l2_to_l1(entry), args.rounds))
-        print(f"  => L2->L1 = {l1 / memcpy:.0%} of raw memcpy (target >= 80%)")
-        shutil.rmtree(entry)
+        for kind, (where, pages) in kinds.items():
+            l3_to_l2(ckpt, where)
+            entry = where / "entry"
+            memcpy = line(f"raw memcpy of the same bytes, {pages}", total,
+                          measure(lambda: raw_memcpy(entry), args.rounds))
+            l1 = line(f"load_from_l2 (tensors -> private arrays), {pages}", total,
+                      measure(lambda: l2_to_l1(entry), args.rounds))
+            print(f"  => L2->L1 ({pages}) = {l1 / memcpy:.0%} of raw memcpy (target >= 80%)")
+            shutil.rmtree(entry)
 
-        print("replica cold start (StartReplica -> serving, real agent and replica process):")
-        controller = Controller(shm / "agent-l2", l2_capacity=total * 2)
+        l2_dir, pages = kinds["huge" if "huge" in kinds else "4k"]
+        print(f"replica cold start (StartReplica -> serving, real agent and replica process; L2 with {pages}):")
+        controller = Controller(l2_dir / "agent-l2", l2_capacity=total * 2)
         try:
             if dropped:
                 drop_caches()
@@ -268,6 +304,12 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+        if huge is not None:
+            shutil.rmtree(huge / "entry", ignore_errors=True)
+            shutil.rmtree(huge / "agent-l2", ignore_errors=True)
+            if mounted == "mounted":
+                subprocess.run(["umount", str(huge)], check=False)
+                huge.rmdir()
     return 0
 
 

@@ -91,11 +91,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float,
-                l2_capacity: Optional[int] = None) -> subprocess.Popen:
+                l2_capacity: Optional[int] = None, l2_dir: Optional[str] = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
                "--agent-id", agent_id, "--heartbeat", str(heartbeat), "--die-with-parent"]
     if l2_capacity is not None:
         command += ["--l2-capacity", str(int(l2_capacity))]
+    if l2_dir is not None:
+        command += ["--l2-dir", l2_dir]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
@@ -136,6 +138,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     from .router.backend import ModelInfo
     from .router.client import RouterClient
     from .router.gateway import create_app
+    from .agent.node_agent import default_l2_root
     from .scheduler.controller import Controller
 
     host = options.host or site.gateway.host
@@ -149,7 +152,8 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     router = build_router(site)
     controller = Controller(site, router, host=site.router.host).start()
     agent_id = site.cluster.hostnames()[0]
-    agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval, site.weight_cache.l2_capacity)
+    agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval, site.weight_cache.l2_capacity,
+                        str(default_l2_root(agent_id, site.weight_cache.l2_path)))
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,

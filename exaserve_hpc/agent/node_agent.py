@@ -31,7 +31,7 @@ from typing import Optional
 import zmq
 
 from ..cache.checkpoint import CheckpointError
-from ..cache.l2_shm import L2Cache, L2Full
+from ..cache.l2_shm import L2Cache, L2Full, read_l2_page_note
 from ..cache.l3_store import manifest_bytes
 from ..protocol import (
     AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
@@ -68,8 +68,9 @@ def spawn_replica(spec: StartReplica, node: str) -> ReplicaSlot:
     return slot
 
 
-def default_l2_root(agent_id: str) -> Path:
-    return Path("/dev/shm") / f"exaserve-l2-{os.getuid()}" / agent_id.replace("/", "_")
+def default_l2_root(agent_id: str, l2_path: str = "/dev/shm") -> Path:
+    """This agent's L2 directory under weight_cache.l2_path."""
+    return Path(os.path.expandvars(l2_path)).expanduser() / f"exaserve-l2-{os.getuid()}" / agent_id.replace("/", "_")
 
 
 def node_pool(l2_capacity: int, pool_bytes: Optional[int], block_size: int) -> MemoryPool:
@@ -105,6 +106,9 @@ class NodeAgent:
                         format_size(shm_free), root, format_size(int(shm_free * 0.9)))
             l2_capacity = int(shm_free * 0.9)
         self.cache = L2Cache(root, l2_capacity)
+        note = read_l2_page_note(root)
+        if note:
+            log.warning("%s", note)
         self.cache.adopt(time.monotonic())
         self.loader = WeightLoader(self.cache, retries=load_retries)
         self.pool = node_pool(l2_capacity, pool_bytes, block_size)
@@ -404,7 +408,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true", help="exit when the starting process dies")
     parser.add_argument("--l2-capacity", type=parse_size, default=DEFAULT_L2_CAPACITY,
                         help="host memory for the node's weight cache, e.g. 64GiB (weight_cache.l2_capacity)")
-    parser.add_argument("--l2-dir", help="where L2 lives (default /dev/shm/exaserve-l2-UID/AGENT_ID)")
+    parser.add_argument("--l2-dir", help="where L2 lives (default /dev/shm/exaserve-l2-UID/AGENT_ID; "
+                                         "weight_cache.l2_path sets the /dev/shm part)")
     parser.add_argument("--keep-l2", action="store_true", help="leave L2 in place at exit for the next agent")
     parser.add_argument("--memory-pool", type=parse_size, default=None,
                         help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "

@@ -72,6 +72,50 @@ def choose_victims(entries: list[L2Entry], need: int, capacity: int) -> list[str
     return victims
 
 
+def l2_page_note(path: str | os.PathLike, mounts: str, shmem_enabled: str = "") -> str | None:
+    """Why L2 at ``path`` runs slow, or None: a tmpfs without huge pages fills 4 KiB at a time.
+
+    ``mounts`` is /proc/mounts' text; ``shmem_enabled`` the text of
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled (its ``force`` gives
+    every tmpfs huge pages). Measured on a 2-core node, the verified L3 -> L2
+    copy runs at ~50-75% of a raw read into 4 KiB pages and ~90% into a tmpfs
+    mounted with ``huge=within_size``. Pure: tested on captured texts.
+    """
+    target = os.path.abspath(path)
+    best: tuple[str, str, str] | None = None  # the deepest mount point holding path
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and \
+                (best is None or len(point) > len(best[0])):
+            best = (point, fields[2], fields[3])
+    if best is None or best[1] != "tmpfs":
+        return None
+    point, _, options = best
+    huge = next((o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")), "never")
+    if huge in ("always", "within_size", "advise") or "[force]" in shmem_enabled:
+        return None
+    return (f"L2 at {target} is on a tmpfs ({point}) without huge pages, so copies from the shared store "
+            "into it run at about half speed; give L2 its own tmpfs with huge pages, e.g. "
+            f"`mount -t tmpfs -o huge=within_size,size=SIZE tmpfs /dev/shm/exaserve`, and set "
+            "weight_cache.l2_path to it")
+
+
+def read_l2_page_note(path: str | os.PathLike) -> str | None:
+    """`l2_page_note` for this node (None where /proc/mounts cannot be read)."""
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        return None
+    try:
+        shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        shmem = ""
+    return l2_page_note(path, mounts, shmem)
+
+
 class L2Cache:
     def __init__(self, root: str | os.PathLike, capacity: int):
         self.root = Path(root)

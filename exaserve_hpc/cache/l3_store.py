@@ -7,19 +7,22 @@ not match. It is the only way bytes leave L3 for L2, so every L3 read is
 verified. The digest is the manifest's read digest (BLAKE3; sha256 for a
 manifest written before BLAKE3, see ``manifest.read_digests``).
 
-Throughput: one pass. The calling thread reads each chunk into one of a few
-reused buffers, hashes that buffer while it is still in CPU cache, and hands
-it to a writer thread that pwrites it into the /dev/shm file and returns the
-buffer; the bytes hashed are the bytes L2 holds, and nothing is read twice.
-So the store's reads never wait on L2's page allocation, which is the other
-big cost (tmpfs fills at ~3 GB/s per core). Measured on a 2-core node and
-kept out on purpose: readinto straight into an mmap of the /dev/shm file
-(a page fault per 4 KiB page: ~1.1 GB/s), posix_fallocate or MADV_POPULATE
-ahead of it (zeroing the pages costs more than it saves),
-POSIX_FADV_WILLNEED read-ahead (halved throughput), and O_DIRECT reads
-(no kernel read-ahead: ~40% slower than buffered reads plus DONTNEED). Pages already read are
-dropped from the page cache (POSIX_FADV_DONTNEED): the node keeps one copy
-of the weights, in L2, not a second one in the page cache.
+Throughput: one pass, three threads. The calling thread reads each chunk
+into one of a few reused buffers; a hasher thread hashes it; a writer thread
+pwrites it into the L2 file and returns the buffer. The bytes hashed are the
+bytes L2 holds, and nothing is read twice. Hashing and writing release the
+GIL, so on 2+ cores the copy runs at the speed of its slowest stage: the
+store's reads where L2 is a tmpfs with huge pages, L2's page allocation where
+it is a tmpfs with 4 KiB pages (about half as fast; the agent warns, see
+``l2_shm.l2_page_note``). Measured on a 2-core node and kept out on purpose:
+readinto straight into an mmap of the L2 file (a page fault per 4 KiB page:
+~1.1 GB/s), sendfile into it (slower than pwrite on huge pages),
+posix_fallocate or MADV_POPULATE ahead of it (zeroing the pages costs more
+than it saves), POSIX_FADV_WILLNEED read-ahead (halved throughput), and
+O_DIRECT reads (no kernel read-ahead: ~40% slower than buffered reads plus
+DONTNEED). Pages already read are dropped from the page cache
+(POSIX_FADV_DONTNEED): the node keeps one copy of the weights, in L2, not a
+second one in the page cache.
 """
 
 from __future__ import annotations
@@ -77,38 +80,79 @@ def manifest_bytes(model_dir: str | os.PathLike) -> int:
     return sum(e.size for e in read_manifest(model_dir)[0])
 
 
-class _Writer(threading.Thread):
-    """Writes filled buffers into L2 files in order and hands each buffer back through ``free``.
+class _Stage(threading.Thread):
+    """One stage of the copy pipeline: reader -> hasher -> writer, each its own thread.
 
-    Inbox items: ``(fd, offset, buffer, n)`` writes ``buffer[:n]`` at
-    ``offset``; ``(fd, None, None, 0)`` closes ``fd``; ``None`` ends the
-    thread. After the first error it only recycles buffers and closes fds
-    (``error`` is raised by the reader at its next chunk).
+    Items are ``(fd, offset, buffer, n, hashes, path, sums)``. The hasher
+    feeds ``buffer[:n]`` to every hash in ``hashes``; at a file's end marker
+    (``buffer is None``) it compares the digests. The writer pwrites
+    ``buffer[:n]`` at ``offset``, closes ``fd`` at the end marker, and hands
+    each buffer back through ``free``. ``None`` ends a stage (and is passed
+    on). After its first error a stage only passes items on (the writer still
+    recycles buffers and closes fds); ``error`` is raised by the reader at its
+    next chunk or after the join. Hashing and writing both release the GIL,
+    so with 2+ cores the three run at the speed of the slowest: the store's
+    reads on a node whose L2 pages are cheap, L2's page allocation otherwise.
     """
 
-    def __init__(self, buffers: int, chunk: int):
-        super().__init__(daemon=True, name="l3-copy-writer")
+    def __init__(self, name: str, outbox: queue.Queue):
+        super().__init__(daemon=True, name=f"l3-copy-{name}")
         self.inbox: queue.Queue = queue.Queue()
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(buffers):
-            self.free.put(memoryview(bytearray(chunk)))
-        self.open_fds: set[int] = set()  # opened by the reader, closed here (or by the reader after join)
+        self.outbox = outbox
         self.error: BaseException | None = None
 
     def run(self) -> None:
         while (item := self.inbox.get()) is not None:
-            fd, offset, buffer, n = item
             try:
-                if buffer is None:
-                    self.open_fds.discard(fd)
-                    os.close(fd)
-                elif self.error is None:
-                    _write_all(fd, buffer[:n], offset)
+                if self.error is None:
+                    self.process(*item)
             except BaseException as e:  # surfaced by the reader
-                self.error = self.error or e
+                self.error = e
             finally:
-                if buffer is not None:
-                    self.free.put(buffer)
+                self.done(item)
+        self.finish()
+
+    def process(self, fd, offset, buffer, n, hashes, path, sums) -> None:
+        raise NotImplementedError
+
+    def done(self, item) -> None:
+        self.outbox.put(item)
+
+    def finish(self) -> None:
+        self.outbox.put(None)
+
+
+class _Hasher(_Stage):
+    def process(self, fd, offset, buffer, n, hashes, path, sums) -> None:
+        if buffer is not None:
+            for h in hashes.values():
+                h.update(buffer[:n])
+        else:
+            compare_digests(path, sums, {d: h.hexdigest() for d, h in hashes.items()})
+
+
+class _Writer(_Stage):
+    def __init__(self, buffers: int, chunk: int):
+        self.free: queue.Queue = queue.Queue()
+        super().__init__("writer", self.free)
+        for _ in range(buffers):
+            self.free.put(memoryview(bytearray(chunk)))
+        self.open_fds: set[int] = set()  # opened by the reader, closed here (or by the reader after join)
+
+    def process(self, fd, offset, buffer, n, hashes, path, sums) -> None:
+        if buffer is not None:
+            _write_all(fd, buffer[:n], offset)
+
+    def done(self, item) -> None:
+        fd, _, buffer, *_ = item
+        if buffer is None:
+            self.open_fds.discard(fd)
+            os.close(fd)
+        else:
+            self.free.put(buffer)
+
+    def finish(self) -> None:
+        pass  # the last stage
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
@@ -149,7 +193,9 @@ def copy_verified(src: str | os.PathLike, dst: str | os.PathLike, *, progress: P
                                   "truncated or replaced. Re-copy it or re-create the checkpoint")
     total, done = sum(e.size for e in entries), 0
     writer = _Writer(BUFFERS, CHUNK)
+    hasher = _Hasher("hasher", writer.inbox)
     writer.start()
+    hasher.start()
     try:
         for e in entries:
             names = digests if digests is not None else read_digests(src, e.sums)
@@ -165,16 +211,15 @@ def copy_verified(src: str | os.PathLike, dst: str | os.PathLike, *, progress: P
                     if cancel is not None and cancel.is_set():
                         raise LoadCancelled(f"copy of {src} cancelled at {done}/{total} bytes")
                     buffer = writer.free.get()
-                    if writer.error is not None:
-                        raise writer.error
+                    if hasher.error or writer.error:
+                        writer.free.put(buffer)
+                        raise hasher.error or writer.error
                     n = f.readinto(buffer[:min(CHUNK, e.size - offset)])
                     if not n:
                         writer.free.put(buffer)
                         raise CheckpointError(f"{src / e.name} ended at {offset} of {e.size} bytes while "
                                               "being read; it changed under us. Retry or re-copy it")
-                    for h in hashes.values():
-                        h.update(buffer[:n])  # releases the GIL: the writer runs meanwhile
-                    writer.inbox.put((dst_fd, offset, buffer, n))
+                    hasher.inbox.put((dst_fd, offset, buffer, n, hashes, None, None))
                     _advise(f.fileno(), offset, n, os.POSIX_FADV_DONTNEED)
                     offset += n
                     done += n
@@ -182,14 +227,14 @@ def copy_verified(src: str | os.PathLike, dst: str | os.PathLike, *, progress: P
                         on_chunk(n)
                     if progress:
                         progress(done, total)
-            writer.inbox.put((dst_fd, None, None, 0))
-            compare_digests(src / e.name, e.sums, {d: h.hexdigest() for d, h in hashes.items()})
+            hasher.inbox.put((dst_fd, None, None, 0, hashes, src / e.name, e.sums))
     finally:
-        writer.inbox.put(None)
+        hasher.inbox.put(None)
+        hasher.join()
         writer.join()
         for fd in writer.open_fds:  # those whose close was never queued (an error mid-file)
             os.close(fd)
-    if writer.error is not None:
-        raise writer.error
+    if hasher.error or writer.error:
+        raise hasher.error or writer.error
     (dst / MANIFEST_FILE).write_bytes(raw_manifest)
     return done

@@ -1,8 +1,8 @@
 """L1: the replica's own copy of the weights, loaded from an L2 entry (or, bypassing L2, from L3).
 
 On CPU nodes L1 is process-private numpy arrays: ``load_from_l2`` maps the
-entry's shared-memory safetensors shards and copies each tensor once into a
-fresh array (the CPU analogue of a host-to-device copy from pinned memory).
+entry's shared-memory safetensors shards and copies each shard's tensors once
+into one fresh array, each tensor a view of it (the CPU analogue of a host-to-device copy from pinned memory).
 L2 bytes were verified against the manifest when they were copied in from
 L3, so they are not hashed again here; shapes and names are checked.
 """
@@ -41,7 +41,18 @@ def shard_names(entry_dir: Path) -> list[str]:
     return shards
 
 
+COPY_CHUNK = 64 << 20  # progress is reported per chunk copied
+
+
 def _copy_shard(path: Path, weights: dict[str, np.ndarray], on_bytes: Callable[[int], None]) -> None:
+    """Copy one shard's tensor bytes into one fresh array and hand out each tensor as a view of it.
+
+    One large destination per shard, not one per tensor: numpy asks for huge
+    pages on large allocations, so the copy runs at memcpy speed, while
+    per-tensor allocations fault in 4 KiB pages (measured on a huge-page L2:
+    71% of memcpy per tensor, against ~100% for one arena). The tensors
+    then share the arena's lifetime, which is the replica's.
+    """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
@@ -49,17 +60,22 @@ def _copy_shard(path: Path, weights: dict[str, np.ndarray], on_bytes: Callable[[
         (header_len,) = struct.unpack_from("<Q", mm, 0)
         header = json.loads(mm[8:8 + header_len])
         base = 8 + header_len
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
+        tensors = [(name, info) for name, info in header.items() if name != "__metadata__"]
+        data_len = max((int(info["data_offsets"][1]) for _, info in tensors), default=0)
+        if base + data_len > size:
+            raise CheckpointError(f"{path} is truncated: its header names {base + data_len} bytes, "
+                                  f"the file has {size}")
+        arena = np.empty(data_len, np.uint8)
+        source = np.frombuffer(mm, np.uint8, count=data_len, offset=base)
+        for lo in range(0, data_len, COPY_CHUNK):
+            hi = min(data_len, lo + COPY_CHUNK)
+            np.copyto(arena[lo:hi], source[lo:hi])
+            on_bytes(hi - lo)
+        del source
+        for name, info in tensors:
+            begin, end = (int(x) for x in info["data_offsets"])
             dtype = _dtype(info["dtype"], f"{path}:{name}")
-            source = np.frombuffer(mm, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=base + begin)
-            array = np.empty(tuple(info["shape"]), dtype=dtype)
-            np.copyto(array.reshape(-1), source)
-            del source
-            weights[name] = array
-            on_bytes(end - begin)
+            weights[name] = arena[begin:end].view(dtype).reshape(tuple(info["shape"]))
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise CheckpointError(f"{path} is not a valid safetensors file ({e})") from e
     finally:

@@ -1,8 +1,10 @@
 """L2 bookkeeping: bounded capacity, LRU eviction that never touches pinned or filling entries."""
 
+from pathlib import Path
+
 import pytest
 
-from exaserve_hpc.cache.l2_shm import READY, L2Cache, L2Entry, L2Full, choose_victims, entry_key
+from exaserve_hpc.cache.l2_shm import READY, L2Cache, L2Entry, L2Full, choose_victims, entry_key, l2_page_note
 
 
 def entry(key, nbytes, last_used, pins=(), state=READY):
@@ -62,3 +64,40 @@ def test_a_new_agent_adopts_complete_entries_and_drops_partial_fills(tmp_path):
 def test_entry_key_changes_with_the_checkpoint_version():
     assert entry_key("m/x", b"v1") != entry_key("m/x", b"v2")
     assert entry_key("m/x", b"v1").startswith("m_x-")
+
+# /proc/mounts lines captured on a Debian 12 node (the huge one mounted for L2)
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+tmpfs /dev/shm/exaserve tmpfs rw,relatime,size=6291456k,huge=within_size 0 0
+tmpfs /mnt/l2\\040space tmpfs rw,relatime,huge=always 0 0
+"""
+
+
+def test_l2_page_note_names_a_tmpfs_without_huge_pages_and_the_fix():
+    note = l2_page_note("/dev/shm/exaserve-l2-0/n1", MOUNTS, "always within_size advise [never] deny force")
+    assert note is not None and "/dev/shm/exaserve-l2-0/n1" in note and "(/dev/shm)" in note
+    assert "huge=within_size" in note and "weight_cache.l2_path" in note
+
+
+def test_l2_page_note_is_quiet_on_huge_tmpfs_disks_and_forced_shmem():
+    never = "always within_size advise [never] deny force"
+    assert l2_page_note("/dev/shm/exaserve/exaserve-l2-0/n1", MOUNTS, never) is None  # deepest mount wins
+    assert l2_page_note("/mnt/l2 space/x", MOUNTS, never) is None  # escaped space in the mount point
+    assert l2_page_note("/var/cache/l2", MOUNTS, never) is None  # not a tmpfs: nothing to say
+    assert l2_page_note("/dev/shm/x", MOUNTS, "always within_size advise never deny [force]") is None
+    assert l2_page_note("/dev/shmother/x", MOUNTS, never) is None  # a prefix of a name is not a parent
+
+
+def test_agent_l2_lives_under_the_site_configs_l2_path(tmp_path):
+    from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
+    from exaserve_hpc.config import load_site
+    site = load_site(Path(__file__).parents[2] / "site-configs" / "local.yaml")
+    site.weight_cache.l2_path = str(tmp_path)
+    agent = NodeAgent("tcp://127.0.0.1:1", "n1", l2_capacity=1 << 20,
+                      l2_root=str(default_l2_root("n1", site.weight_cache.l2_path)))
+    try:
+        assert agent.cache.root.is_dir() and agent.cache.root.name == "n1"
+        assert agent.cache.root.parent.parent == tmp_path
+    finally:
+        agent.context.destroy(linger=0)

@@ -12,7 +12,7 @@ from exaserve_hpc.cache.checkpoint import (
     CheckpointError, ChecksumError, TinyModelSpec, create_tiny_checkpoint, load_checkpoint,
 )
 from exaserve_hpc.cache.l3_store import LoadCancelled, copy_verified, manifest_bytes
-from exaserve_hpc.cache.tiers import load_from_l2
+from exaserve_hpc.cache.tiers import load_from_l2, shard_names
 
 SPEC = TinyModelSpec(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=48, max_position=128, shards=3,
                      dtype="float16")
@@ -36,7 +36,14 @@ def test_copy_then_l1_load_gives_the_same_weights_as_a_direct_read(ckpt, tmp_pat
     assert config == want_config and set(weights) == set(want)
     for name in want:
         assert weights[name].dtype == want[name].dtype and np.array_equal(weights[name], want[name])
-        assert weights[name].flags.writeable and weights[name].base is None  # a private copy, not a view of L2
+        owner = weights[name]
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        # a private copy (a view of the shard's own array), not a view of the L2 mapping
+        assert weights[name].flags.writeable and owner.base is None and owner.flags.owndata
+    l2_bytes = sum((dst / s).stat().st_size for s in shard_names(dst))
+    arenas = {id(w.base) for w in weights.values()}
+    assert len(arenas) == len(shard_names(dst)) and l2_bytes > sum(w.nbytes for w in weights.values())
 
 
 def flip_byte(path, where):
