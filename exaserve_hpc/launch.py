@@ -28,6 +28,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from .config import SiteConfig
 from .router.balancing import make_policy
+from .router.breaker import BreakerSettings
 from .router.dispatch import Dispatcher, DispatchSettings
 from .router.zmq_router import ZmqRouter
 
@@ -101,12 +102,26 @@ def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float,
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
+def router_policy(site: SiteConfig):
+    """The routing policy the site's router section asks for, with its prefix settings."""
+    if site.router.policy == "prefix_affinity":
+        from .router.affinity import AffinitySettings
+        return make_policy("prefix_affinity", settings=AffinitySettings.from_site(site.router))
+    return make_policy(site.router.policy)
+
+
+def dispatch_settings(site: SiteConfig) -> DispatchSettings:
+    r = site.router
+    return DispatchSettings(max_attempts=r.max_attempts, request_timeout=r.request_timeout,
+                            first_token_timeout=r.first_token_timeout,
+                            replica_expiry=r.replica_heartbeat * r.replica_misses,
+                            stall_timeout=r.stall_timeout or 0.0,
+                            breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
+
+
 def build_router(site: SiteConfig) -> ZmqRouter:
     r = site.router
-    settings = DispatchSettings(max_attempts=r.max_attempts, request_timeout=r.request_timeout,
-                                first_token_timeout=r.first_token_timeout,
-                                replica_expiry=r.replica_heartbeat * r.replica_misses)
-    dispatcher = Dispatcher(make_policy(r.policy), settings, {m.model_name for m in site.models})
+    dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
     return ZmqRouter(dispatcher, r.host, r.frontend_port, r.backend_port).start()
 
 

@@ -41,6 +41,11 @@ class GenerateRequest(_Msg, tag="gen"):
     quota_group: Optional[str] = None
     resumed_tokens: int = 0  # tokens of prompt_token_ids already sent to the client (stream migration)
     session_id: str = ""  # conversation id, if the client gave one: keeps a conversation on one canary version
+    # The prompt's chained block hashes, computed by the gateway with the router's hasher
+    # (router/prefix_index.py), so the router's thread does not hash; used only if prefix_scheme
+    # names the router's own hasher and the count fits the prompt, else the router hashes itself.
+    prefix_hashes: list[int] = []
+    prefix_scheme: str = ""
 
 
 class Abort(_Msg, tag="abort"):
@@ -214,6 +219,8 @@ class StartReplica(_Msg, tag="start"):
     kv_snapshot_in: str = ""   # loaded into the prefix cache after warm-up, before registering
     kv_snapshot_out: str = ""  # hottest prefix blocks written while draining, before ReplicaBye
     kv_snapshot_max_blocks: int = 0  # blocks written at most; 0: every cached block
+    coalesce_ms: float = 20.0  # token chunks to the router are flushed after this long ...
+    coalesce_tokens: int = 16  # ... or this many tokens (router.coalesce_ms / coalesce_tokens)
 
 
 class StopReplica(_Msg, tag="stop"):

@@ -63,6 +63,7 @@ def make_site(tmp_path, replicas: int = 2, scheduler: dict | None = None, model:
     data["heartbeat"] = {"interval": 5.0, "misses": 3}
     data["weight_cache"]["l3_path"] = str(tmp_path / "models")
     data["batching"].update(chunked_prefill=False, prefill_chunk_tokens=128)
+    data.setdefault("router", {}).update(coalesce_ms=7.0, coalesce_tokens=5)
     data["models"][0].update(replicas=replicas, enable_prefix_caching=False, kv_cache_dtype="fp8")
     model_dir = tmp_path / "models" / MODEL
     model_dir.mkdir(parents=True)
@@ -162,6 +163,7 @@ def test_start_carries_engine_settings_and_heartbeat_load_progress_reaches_statu
     s = start.settings
     assert (s.enable_prefix_caching, s.kv_cache_dtype, s.chunked_prefill, s.prefill_chunk_tokens) == \
         (False, "fp8", False, 128)
+    assert (start.coalesce_ms, start.coalesce_tokens) == (7.0, 5)  # router.coalesce_* reach the replica
 
     agent.heartbeat([ReplicaStatus(replica_id=start.replica_id, model=MODEL, state="loading", pid=0,
                                    load_progress=0.25, load_bytes_done=1024, load_bytes_total=4096,

@@ -48,6 +48,14 @@ class AffinitySettings:
     matches: int = 4  # cached-prefix candidates considered per request
     weights: WeightSettings = field(default_factory=WeightSettings)
 
+    @classmethod
+    def from_site(cls, router) -> "AffinitySettings":
+        """From a site config's router section (config.RouterConfig)."""
+        return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks)
+
+    def hasher(self) -> "FastBlockHasher | EngineBlockHasher":
+        return prompt_hasher(self.mode, self.block_size, self.max_prompt_blocks)
+
     def __post_init__(self) -> None:
         if self.mode not in (APPROXIMATE, PRECISE):
             raise ValueError(f"prefix affinity mode {self.mode!r} is unknown; choose {APPROXIMATE} or {PRECISE}")
@@ -62,6 +70,11 @@ class Decision:
     reason: str = "balance"  # affinity | spill | balance | none
 
 
+def prompt_hasher(mode: str, block_size: int, max_blocks: int = 1024) -> FastBlockHasher | EngineBlockHasher:
+    """The block hasher of a router in ``mode``; gateways use it to hash prompts for the router."""
+    return (EngineBlockHasher if mode == PRECISE else FastBlockHasher)(block_size, max_blocks)
+
+
 class PrefixAffinity(PolicyBase):
     name = "prefix_affinity"
     uses_prefix = True
@@ -70,14 +83,18 @@ class PrefixAffinity(PolicyBase):
         self.settings = settings or AffinitySettings(**overrides)
         s = self.settings
         self.index = PrefixIndex(max_blocks=s.index_blocks)
-        hasher = EngineBlockHasher if s.mode == PRECISE else FastBlockHasher
-        self.hasher = hasher(s.block_size, s.max_prompt_blocks)
+        self.hasher = s.hasher()
         self.balance = PowerOfTwo(s.weights, seed=seed)
 
     # ---------------------------------------------------------------- hooks
 
-    def routing_key(self, prompt_token_ids: Sequence[int]) -> RoutingKey:
-        return RoutingKey(self.hasher(prompt_token_ids), len(prompt_token_ids), self.settings.block_size)
+    def routing_key(self, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (),
+                    scheme: str = "") -> RoutingKey:
+        """The prompt's block hashes: ``hashes`` if the gateway computed them our way, else our own."""
+        n = len(prompt_token_ids)
+        if hashes and scheme == self.hasher.scheme and len(hashes) == self.hasher.blocks(n):
+            return RoutingKey(hashes, n, self.settings.block_size)
+        return RoutingKey(self.hasher(prompt_token_ids), n, self.settings.block_size)
 
     def forget(self, replica_id: str) -> None:
         self.index.forget(replica_id)

@@ -231,7 +231,8 @@ class Dispatcher:
     def _dispatch(self, entry: Inflight, now: float) -> list[Outgoing]:
         request = entry.request
         if entry.key is None and self._uses_prefix:
-            entry.key = self.policy.routing_key(request.prompt_token_ids)
+            entry.key = self.policy.routing_key(request.prompt_token_ids, request.prefix_hashes,
+                                                request.prefix_scheme)
         candidates = self._candidates(entry)
         replica_id, matched = self._route(candidates, _Excluded(entry.tried, self.unavailable), entry.key)
         if replica_id is None and entry.tried:

@@ -28,6 +28,7 @@ from exaserve_hpc.config import SiteConfig
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router import openai_api as api
+from exaserve_hpc.router.affinity import AffinitySettings
 from exaserve_hpc.router.admission import Admission, ApiError, from_backend_error, internal_error, error_response
 from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
 from exaserve_hpc.router.generation import (
@@ -81,6 +82,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                            if g.max_concurrent_requests is not None},
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None})
     group_of_key = {key: group.name for group in site.quota_groups for key in group.api_keys}
+    # Prompts are hashed here, in the gateway processes, so the router's one thread only looks them up.
+    hasher = AffinitySettings.from_site(site.router).hasher() if site.router.policy == "prefix_affinity" else None
 
     app = FastAPI(title="exaserve-hpc gateway", version="0.1.0",
                   description="OpenAI-compatible API of an exaserve-hpc deployment (site "
@@ -139,7 +142,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         gen_request = GenerateRequest(
             request_id=api.new_request_id(), model=model.name, prompt_token_ids=prompt_ids,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            quota_group=group)
+            quota_group=group, prefix_hashes=hasher(prompt_ids) if hasher else [],
+            prefix_scheme=hasher.scheme if hasher else "")
         rid = gen_request.request_id
         try:
             gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived)

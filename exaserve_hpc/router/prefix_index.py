@@ -27,6 +27,7 @@ stamped with an older epoch no longer count (they are cleaned up when met).
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from typing import Container, Optional, Sequence
 
@@ -42,11 +43,18 @@ class FastBlockHasher:
     per-process salt), and this costs about 12 us per 1,024 tokens.
     ``max_blocks`` bounds the work for very long prompts: two prompts that
     agree on their first max_blocks blocks are treated as one prefix.
+    ``scheme`` names the function, so hashes computed elsewhere (the
+    gateway) are used only by a router that hashes the same way.
     """
 
     def __init__(self, block_size: int, max_blocks: int = 1024):
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.scheme = f"tuple-py{sys.version_info[0]}.{sys.version_info[1]}-{block_size}x{max_blocks}"
+
+    def blocks(self, prompt_tokens: int) -> int:
+        """How many hashes a prompt of this length has."""
+        return min(prompt_tokens // self.block_size, self.max_blocks)
 
     def __call__(self, token_ids: Sequence[int]) -> list[int]:
         b = self.block_size
@@ -64,6 +72,9 @@ class EngineBlockHasher:
     def __init__(self, block_size: int, max_blocks: int = 1024):
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.scheme = f"blake2b8-{block_size}x{max_blocks}"
+
+    blocks = FastBlockHasher.blocks
 
     def __call__(self, token_ids: Sequence[int]) -> list[int]:
         step = 4 * self.block_size

@@ -38,6 +38,7 @@ from ..protocol import (
 from ..router.zmq_router import ZmqRouter, bind
 from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
 from .demand import DemandHistory
+from .rollout_control import RolloutFleet
 from .fleet_state import (  # noqa: F401 (AgentRecord, ReplicaRecord, assign_replicas re-exported)
     AgentRecord, ReplicaRecord, assign_replicas, desired_replicas, fresh_replica_ids, model_loads,
     pick_for_removal, unplaced_reason,
@@ -94,6 +95,7 @@ class Controller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exaserve-controller", daemon=True)
         self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
+        self.rollouts = RolloutFleet(self)  # model versions: what a rollout starts and stops (rollout_control.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -154,7 +156,8 @@ class Controller:
                     for a in self.agents.values()
                 ],
                 "replicas": [
-                    {"replica_id": r.replica_id, "model": r.model, "state": r.state.value, "node": r.agent_id,
+                    {"replica_id": r.replica_id, "model": r.model, "version": r.version, "state": r.state.value,
+                     "node": r.agent_id,
                      "pid": r.pid, "endpoint": self.router.backend_endpoint if r.replica_id in routed else None,
                      "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
                      "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
@@ -354,6 +357,7 @@ class Controller:
                     record.restart_at = 0.0
                     self._start(record)
             self._autoscale(now)
+            self.rollouts.tick()
             self._place(now)
             if now >= self._next_demand_sample:
                 self._next_demand_sample = now + self.demand_interval
@@ -417,13 +421,14 @@ class Controller:
         missing = decision.target - len(self._active(decision.model))
         rids = fresh_replica_ids(decision.model, self._next_index[decision.model], self.replicas, missing)
         for rid in rids:
-            self.replicas[rid] = ReplicaRecord(rid, decision.model, detail=f"added by autoscaler: {decision.reason}")
+            self.replicas[rid] = ReplicaRecord(rid, decision.model, version=self.rollouts.stable(decision.model),
+                                               detail=f"added by autoscaler: {decision.reason}")
         if rids:
             self._next_index[decision.model] = int(rids[-1].rpartition("/r")[2]) + 1
             log.info("autoscale %s: adding %s", decision.model, ", ".join(rids))
 
     def _scale_down(self, decision: ScaleDecision, routed: dict[str, dict]) -> None:
-        active = self._active(decision.model)
+        active = self.rollouts.scalable(decision.model, self._active(decision.model))
         keep = max(decision.target, self.site.min_replicas(self.site.model(decision.model)))
         for rid in pick_for_removal(active, routed, len(active) - keep):
             self._retire(self.replicas[rid], decision.reason)
@@ -475,8 +480,11 @@ class Controller:
             prefill_chunk_tokens=batching.prefill_chunk_tokens, enable_prefix_caching=model.enable_prefix_caching,
             kv_cache_dtype=model.kv_cache_dtype)
         return StartReplica(replica_id=record.replica_id, model=record.model,
-                            model_dir=str(self.site.model_dir(model)), router_backend=self.router.backend_endpoint,
-                            settings=settings, stats_interval=self.site.router.replica_heartbeat)
+                            model_dir=self.rollouts.model_dir(record), version=record.version,
+                            router_backend=self.router.backend_endpoint,
+                            settings=settings, stats_interval=self.site.router.replica_heartbeat,
+                            coalesce_ms=self.site.router.coalesce_ms,
+                            coalesce_tokens=self.site.router.coalesce_tokens)
 
     def _start(self, record: ReplicaRecord) -> None:
         spec = self._spec(record)

@@ -142,3 +142,19 @@ def test_config_show_prints_defaults():
     shown = yaml.safe_load(result.stdout)
     assert shown["scheduler"]["cooldown_period"] == 120.0
     assert shown["batching"]["prefill_batch_size"] == 8
+
+
+def test_the_router_section_reaches_the_policy_and_the_dispatcher():
+    from exaserve_hpc.launch import dispatch_settings, router_policy
+    site = parse_site({"site": "t", "models": [{"model_name": "m"}],
+                       "router": {"policy": "prefix_affinity", "block_size": 32, "prefix_mode": "precise",
+                                  "index_blocks": 4096, "stall_timeout": "7s", "breaker_failures": 5,
+                                  "breaker_cooloff": "3s", "max_attempts": 4}})
+    policy = router_policy(site)
+    assert policy.name == "prefix_affinity" and policy.settings.mode == "precise"
+    assert policy.settings.block_size == 32 and policy.index.max_blocks == 4096
+    assert policy.hasher.scheme.startswith("blake2b8-32x")
+    settings = dispatch_settings(site)
+    assert settings.stall_limit == 7.0 and settings.max_attempts == 4
+    assert settings.breaker.failures == 5 and settings.breaker.cooloff == 3.0
+    assert router_policy(parse_site({"site": "t", "models": [{"model_name": "m"}]})).name == "least_load"

@@ -463,3 +463,23 @@ def test_openapi_document(gateway):
 def test_status_endpoint_returns_backend_status(gateway):
     gateway.client().completions.create(model=MODEL, prompt="a", max_tokens=1)
     assert httpx.get(f"{gateway.url}/v1/exaserve/status").json() == {"backend": "fake", "requests_seen": 1}
+
+
+def test_the_gateway_hashes_prompts_for_a_prefix_affinity_router(start_gateway):
+    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.router.affinity import AffinitySettings
+    site = parse_site({"site": "gateway-test", "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN}],
+                       "router": {"policy": "prefix_affinity", "block_size": 8}})
+    gw = start_gateway(site)
+    gw.client().completions.create(model=MODEL, prompt="the same long system prompt, then a question", max_tokens=2)
+    [request] = gw.backend.requests
+    hasher = AffinitySettings(block_size=8).hasher()
+    assert request.prefix_scheme == hasher.scheme
+    assert request.prefix_hashes == hasher(request.prompt_token_ids)
+    assert len(request.prefix_hashes) == len(request.prompt_token_ids) // 8 > 0
+
+
+def test_the_gateway_sends_no_hashes_to_a_router_without_prefix_affinity(gateway):
+    gateway.client().completions.create(model=MODEL, prompt="a prompt long enough for two blocks", max_tokens=2)
+    [request] = gateway.backend.requests
+    assert request.prefix_hashes == [] and request.prefix_scheme == ""

@@ -118,3 +118,46 @@ def test_precise_mode_follows_kv_events_with_engine_hashes():
                                       block_size=BLOCK)])
     d = route(p, pool, key=p.routing_key(tokens))
     assert (d.replica_id, d.matched_blocks) == ("r3", 6)
+
+
+def test_the_router_uses_a_gateways_hashes_only_when_they_are_its_own():
+    p = policy()
+    tokens = prompt(1, 8) + [7, 7, 7]  # 8 full blocks and a partial one
+    mine = p.routing_key(tokens).block_hashes
+    given = [h + 1 for h in mine]  # distinguishable from what the router would compute
+    assert p.routing_key(tokens, given, p.hasher.scheme).block_hashes == given
+    assert p.routing_key(tokens, given, "some-other-hasher").block_hashes == mine
+    assert p.routing_key(tokens, given[:-1], p.hasher.scheme).block_hashes == mine  # wrong count
+    assert p.routing_key(tokens, given + [1], p.hasher.scheme).block_hashes == mine
+    precise = policy(mode="precise")
+    assert precise.hasher.scheme != p.hasher.scheme
+    assert PrefixAffinity(AffinitySettings(block_size=32)).hasher.scheme != p.hasher.scheme
+
+
+def test_a_gateway_process_hashes_exactly_like_the_router():
+    """The approximate hasher relies on Python's tuple hash having no per-process salt."""
+    import subprocess
+    import sys
+    tokens = prompt(3, 5)
+    code = ("import sys; from exaserve_hpc.router.affinity import AffinitySettings; "
+            f"h = AffinitySettings(block_size={BLOCK}).hasher(); print(h.scheme); print(h({tokens!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "random", "PATH": "/usr/bin:/bin"}).stdout.split("\n")
+    p = policy()
+    assert out[0] == p.hasher.scheme and out[1] == str(p.routing_key(tokens).block_hashes)
+
+
+def test_the_dispatcher_routes_and_records_by_the_gateways_hashes():
+    from exaserve_hpc.protocol import GenerateRequest, ReplicaHello
+    from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
+    p = policy()
+    d = Dispatcher(p, DispatchSettings(), {"m"})
+    for i in range(4):
+        d.on_replica_message(f"r{i}", ReplicaHello(replica_id=f"r{i}", model="m", pid=i, max_batch_size=8,
+                                                   max_seq_len=4096), 0.0)
+    tokens = prompt(2, 4)
+    given = [h ^ 0x5A5A for h in p.routing_key(tokens).block_hashes]
+    [out] = d.on_request(b"gw", GenerateRequest(request_id="q", model="m", prompt_token_ids=tokens, max_tokens=1,
+                                                 prefix_hashes=given, prefix_scheme=p.hasher.scheme), 0.0)
+    assert p.index.holders(given[-1]) == [out.peer.decode()]
+    assert p.index.holders(p.routing_key(tokens).block_hashes[-1]) == []
