@@ -14,9 +14,13 @@ Reported (median / p99, microseconds):
   lookup, candidate costs, power-of-two draw);
 - index update: `PrefixAffinity.commit` (recording the choice; the
   dispatcher does it once the request is on its way);
-- hashing: the prompt's chained block hashes (16-token blocks, 1,152 tokens);
-- dispatcher: `Dispatcher.on_request` end to end (hashing, decision,
-  bookkeeping, the outgoing message), for the request then its last chunk;
+- hashing: the prompt's chained block hashes (16-token blocks, 1,152
+  tokens). The gateway processes do this (router/gateway.py sends
+  prefix_hashes with each request), so it is off the router's thread;
+- dispatcher: `Dispatcher.on_request` end to end (decision, bookkeeping, the
+  outgoing message), for the request then its last chunk: with the
+  gateway's hashes (the served path), and hashing in the router (a native
+  client that sends none);
 - the same decision with the power-of-two policy alone.
 """
 
@@ -88,16 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
     print(f"decision (given block hashes): {percentiles(decide)}   branches {reasons}")
     print(f"index update after sending:    {percentiles(commit)}")
-    print(f"hashing a {len(turns[0])}-token prompt:   {percentiles(hashing)}")
+    print(f"hashing a {len(turns[0])}-token prompt:   {percentiles(hashing)}   (in the gateway)")
 
-    dispatch = []
-    for i, t in enumerate(turns):
-        request = GenerateRequest(request_id=f"q{i}", model="m", prompt_token_ids=t, max_tokens=16)
-        t0 = time.perf_counter_ns()
-        [out] = d.on_request(b"gw", request, 1.0)
-        d.on_replica_message(out.peer.decode(), TokenChunk(request_id=f"q{i}", token_ids=[1], finished=True), 1.0)
-        dispatch.append(time.perf_counter_ns() - t0)
-    print(f"dispatcher request + finish:   {percentiles(dispatch)}")
+    scheme = policy.hasher.scheme
+    for label, hashed in (("with the gateway's hashes", True), ("hashing in the router", False)):
+        dispatch = []
+        for i, (t, key) in enumerate(zip(turns, keys)):
+            request = GenerateRequest(request_id=f"q{i}-{hashed}", model="m", prompt_token_ids=t, max_tokens=16,
+                                      prefix_hashes=key.block_hashes if hashed else [],
+                                      prefix_scheme=scheme if hashed else "")
+            t0 = time.perf_counter_ns()
+            [out] = d.on_request(b"gw", request, 1.0)
+            d.on_replica_message(out.peer.decode(), TokenChunk(request_id=request.request_id, token_ids=[1],
+                                                               finished=True), 1.0)
+            dispatch.append(time.perf_counter_ns() - t0)
+        print(f"dispatcher request + finish, {label}: {percentiles(dispatch)}")
 
     p2c = PowerOfTwo(seed=2)
     plain = []

@@ -7,7 +7,8 @@ Same run, same peers, two phases:
    behind it answer each GenerateRequest with one finished TokenChunk;
 2. router: `ZmqRouter` + `Dispatcher` in its own process (decode, policy,
    bookkeeping, re-encode both ways); echo replicas say hello and answer the
-   same way.
+   same way. With prefix_affinity the client sends the prompt's block hashes,
+as the gateway does (both phases carry the same bytes).
 
 A client process keeps ``window`` requests in flight and counts answers for
 ``seconds``. The two phases alternate ``rounds`` times and the median ratio is
@@ -29,6 +30,7 @@ import time
 import zmq
 
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, decode, encode
+from exaserve_hpc.router.affinity import AffinitySettings
 
 PROMPT = list(range(1000, 1064))
 
@@ -54,8 +56,9 @@ def echo_replica(endpoint: str, replica_id: str, envelope: bool) -> None:
         sock.send_multipart(frames[:-1] + [reply])
 
 
-def client(endpoint: str, seconds: float, window: int, result) -> None:
+def client(endpoint: str, seconds: float, window: int, result, policy: str) -> None:
     ctx = zmq.Context()
+    hasher = AffinitySettings().hasher() if policy == "prefix_affinity" else None  # as the gateway does
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -64,7 +67,8 @@ def client(endpoint: str, seconds: float, window: int, result) -> None:
     def send() -> None:
         nonlocal sent
         sock.send(encode(GenerateRequest(request_id=f"q{sent}", model="echo", prompt_token_ids=PROMPT,
-                                         max_tokens=4)))
+                                         max_tokens=4, prefix_hashes=hasher(PROMPT) if hasher else [],
+                                         prefix_scheme=hasher.scheme if hasher else "")))
         sent += 1
 
     for _ in range(window):
@@ -127,7 +131,7 @@ def phase(kind: str, args) -> tuple[float, float]:
         p.start()
     time.sleep(1.0)  # hellos registered
     result = mp.Value("d", 0.0)
-    c = mp.Process(target=client, args=(fe, args.seconds, args.window, result))
+    c = mp.Process(target=client, args=(fe, args.seconds, args.window, result, args.policy))
     cpu0 = cpu_seconds(hub.pid)
     c.start()
     c.join()
