@@ -122,3 +122,55 @@ def test_a_failed_l2_write_surfaces_and_leaks_no_descriptor(ckpt, tmp_path, monk
     with pytest.raises(OSError, match="No space left"):
         copy_verified(ckpt, dst)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def mount_tmpfs(point, options: str):
+    import subprocess
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); needs root")
+    return lambda: subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path):
+    """A tmpfs with transparent huge pages, mounted for the test (needs root; skipped elsewhere)."""
+    unmount = mount_tmpfs(tmp_path / "huge", "huge=within_size,size=256M")
+    yield tmp_path / "huge"
+    unmount()
+
+
+def test_the_agent_names_the_fix_for_l2_on_a_tmpfs_without_huge_pages(tmp_path):
+    from exaserve_hpc.cache.l2_shm import read_l2_page_note
+    unmount = mount_tmpfs(tmp_path / "small", "huge=never,size=16M")
+    try:
+        try:
+            forced = "[force]" in open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+        except OSError:  # a kernel without transparent huge pages
+            forced = False
+        note = read_l2_page_note(tmp_path / "small" / "exaserve-l2-0" / "n1")
+        assert (note is None) if forced else ("huge=within_size" in note and str(tmp_path / "small") in note)
+    finally:
+        unmount()
+
+
+def test_l2_on_a_huge_page_tmpfs_is_recognised_and_filled_with_huge_pages(huge_tmpfs, tmp_path):
+    from exaserve_hpc.cache.l2_shm import read_l2_page_note
+
+    def shmem_huge_kib() -> int:
+        for line in open("/proc/meminfo"):
+            if line.startswith("ShmemHugePages:"):
+                return int(line.split()[1])
+        return 0
+
+    assert read_l2_page_note(huge_tmpfs / "exaserve-l2-0" / "n1") is None
+    big = create_tiny_checkpoint(tmp_path / "l3" / "big", TinyModelSpec(
+        layers=2, hidden=512, heads=8, kv_heads=8, intermediate=1024, max_position=64, shards=2, dtype="float32"))
+    before = shmem_huge_kib()
+    (huge_tmpfs / "entry").mkdir()
+    copy_verified(big, huge_tmpfs / "entry")
+    assert shmem_huge_kib() - before >= 2048  # at least one 2 MiB page holds the copy
+    config, weights = load_from_l2(huge_tmpfs / "entry")
+    _, want = load_checkpoint(big)
+    assert all(np.array_equal(weights[name], want[name]) for name in want)
