@@ -85,3 +85,38 @@ def test_replica_killed_mid_stream_every_request_completes(router):
             if r.process.poll() is None:
                 r.process.terminate()
             r.process.wait(10)
+
+
+def test_several_gateways_share_one_router_and_each_gets_only_its_own_replies(router):
+    replicas = [start_echo(router, f"echo/g{i}", step_delay=0.002) for i in range(2)]
+    gateways = []
+    try:
+        wait_for(lambda: len(router.snapshot()["replicas"]) == 2)
+        gateways = [router.context.socket(zmq.DEALER) for _ in range(3)]
+        sent: dict[int, set[str]] = {}
+        for g, sock in enumerate(gateways):
+            sock.connect(router.frontend_endpoint)
+            sent[g] = {f"gw{g}-{i}" for i in range(10)}
+        for i in range(10):  # interleaved, so the router has requests of every gateway in flight at once
+            for g, sock in enumerate(gateways):
+                sock.send(encode(GenerateRequest(request_id=f"gw{g}-{i}", model="echo",
+                                                 prompt_token_ids=[256, 65 + g, 66], max_tokens=8)))
+        got: dict[int, dict[str, int]] = {g: {} for g in sent}
+        deadline = time.monotonic() + 20
+        while any(len([r for r, n in got[g].items() if n == 8]) < 10 for g in got) and time.monotonic() < deadline:
+            for g, sock in enumerate(gateways):
+                while sock.poll(0):
+                    message = decode(sock.recv())
+                    assert isinstance(message, TokenChunk), message
+                    assert message.request_id in sent[g], f"gateway {g} got {message.request_id}"
+                    got[g][message.request_id] = got[g].get(message.request_id, 0) + len(message.token_ids)
+            time.sleep(0.005)
+        for g in sent:
+            assert got[g] == {rid: 8 for rid in sent[g]}
+    finally:
+        for sock in gateways:
+            sock.close(linger=0)
+        for r in replicas:
+            if r.process.poll() is None:
+                r.process.terminate()
+            r.process.wait(10)
