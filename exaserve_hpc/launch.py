@@ -153,6 +153,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     from .router.backend import ModelInfo
     from .router.client import RouterClient
     from .router.gateway import create_app
+    from .router.admin_api import serving_admin_routes
     from .agent.node_agent import default_l2_root
     from .scheduler.controller import Controller
 
@@ -173,7 +174,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
-    app = create_app(client, site)
+    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller))
     server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     state_file = write_state(run_dir, url, site)

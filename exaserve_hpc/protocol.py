@@ -209,6 +209,7 @@ class StartReplica(_Msg, tag="start"):
     model: str
     model_dir: str
     router_backend: str  # ZeroMQ endpoint the replica connects to
+    version: str = ""  # model version model_dir holds (canary rollouts), sent in its ReplicaHello; "" = the site's
     settings: EngineSettings = msgspec.field(default_factory=EngineSettings)
     stats_interval: float = 1.0
     drain_timeout: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long

@@ -344,7 +344,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         socket.connect(spec.router_backend)
         socket.send(encode(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
                                         max_batch_size=spec.settings.max_batch_size,
-                                        max_seq_len=spec.settings.max_seq_len, node=args.node)))
+                                        max_seq_len=spec.settings.max_seq_len, node=args.node,
+                                        version=spec.version)))
         server = ReplicaServer(spec, engine, socket, reporter, spec.coalesce_ms, spec.coalesce_tokens)
         reporter.state(ReplicaState.SERVING)
         server.run()

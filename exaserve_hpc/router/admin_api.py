@@ -1,4 +1,5 @@
-"""Admin HTTP routes of the router (the lead mounts them on the gateway app), and the `exaserve rollout` client.
+"""Admin HTTP routes of the router (mounted on the gateway app by `serving_admin_routes`), and the
+`exaserve rollout` client.
 
     GET  /v1/exaserve/rollouts                      -> {"rollouts": [...]}
     POST /v1/exaserve/rollouts/{start|promote|rollback}
@@ -8,7 +9,12 @@
 first (in a worker thread: it reads every byte) and refuses it with 422 if
 that fails; only then does the version get traffic. Table changes run on the
 router thread through ``apply`` (`ZmqRouter.call` in production), so the
-dispatcher is never touched by two threads.
+dispatcher is never touched by two threads. Right after a change, on that
+thread (so in table order), ``on_change`` tells the fleet: the controller's
+`RolloutFleet` starts the canary's replicas, replaces the old version's on
+promote and drains the canary's on rollback (scheduler/rollout_control.py).
+The table changes first, so a replica never gets traffic its table entry
+does not allow.
 
 When ``admin_key`` is set, requests need ``Authorization: Bearer <admin_key>``.
 """
@@ -23,17 +29,21 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from fastapi import APIRouter, Header, HTTPException
 from pydantic import BaseModel, Field
 
-from .canary import RolloutError, RolloutTable, check_version
+from .canary import Rollout, RolloutError, RolloutTable, check_version
 
 ROUTE = "/v1/exaserve/rollouts"
 
 Apply = Callable[[Callable[[RolloutTable], object]], "Future"]
 """Run fn(rollout_table) where the table lives; returns a concurrent Future of its result."""
+
+OnChange = Callable[[str, Rollout, str, Optional[str]], None]
+"""(action, the rollout after it, the command's version, the verified model_dir on start): called once the
+table changed, on the table's thread (it must not block)."""
 
 
 class RolloutCommand(BaseModel):
@@ -48,8 +58,23 @@ def router_apply(router) -> Apply:
     return lambda fn: router.call(lambda dispatcher: fn(dispatcher.rollouts))
 
 
+def serving_admin_routes(site, router, controller) -> APIRouter:
+    """The rollout routes of a running deployment: the router's table, the controller's fleet, the site's key.
+    A version's checkpoint defaults to the one next to the model's (`rollout_control.version_dir`)."""
+    from ..scheduler.rollout_control import version_dir
+
+    def resolve_dir(model: str, version: str) -> Optional[str]:
+        path = version_dir(site, model, version)
+        return str(path) if path is not None else None
+
+    return make_admin_router(router_apply(router), resolve_dir, admin_key=site.router.admin_key,
+                             on_change=controller.rollouts.changed, models=[m.model_name for m in site.models])
+
+
 def make_admin_router(apply: Apply, resolve_dir: Callable[[str, str], Optional[str]] = lambda m, v: None,
-                      admin_key: Optional[str] = None, verify: Callable[[str], None] = check_version) -> APIRouter:
+                      admin_key: Optional[str] = None, verify: Callable[[str], None] = check_version,
+                      on_change: Optional[OnChange] = None, models: Optional[Collection[str]] = None) -> APIRouter:
+    """models: the served model names (None: any); a command for another model is refused with 404."""
     api = APIRouter()
 
     def authorize(authorization: Optional[str]) -> None:
@@ -71,23 +96,34 @@ def make_admin_router(apply: Apply, resolve_dir: Callable[[str, str], Optional[s
     @api.post(ROUTE + "/{action}")
     async def command(action: str, body: RolloutCommand, authorization: Optional[str] = Header(None)) -> dict:
         authorize(authorization)
-        if action == "start":
-            model_dir = body.model_dir or resolve_dir(body.model, body.version)
-            if not model_dir:
-                raise HTTPException(422, f"no checkpoint known for {body.model} version {body.version!r}; "
-                                         "pass model_dir so it can be verified before it takes traffic")
-            try:
-                await asyncio.to_thread(verify, model_dir)
-            except RolloutError as exc:
-                raise HTTPException(exc.status, str(exc)) from exc
-            rollout = await on_table(lambda t: t.start(body.model, body.version, body.weight))
-        elif action == "promote":
-            rollout = await on_table(lambda t: t.promote(body.model, body.version))
-        elif action == "rollback":
-            rollout = await on_table(lambda t: t.rollback(body.model, body.version))
-        else:
+        if action not in ("start", "promote", "rollback"):
             raise HTTPException(404, f"unknown rollout action {action!r}; use start, promote or rollback")
-        return {"rollout": rollout.as_dict()}
+        if models is not None and body.model not in models:
+            raise HTTPException(404, f"model {body.model!r} is not served here; served models: "
+                                     f"{', '.join(sorted(models))}")
+        model_dir = await verified_dir(body) if action == "start" else None
+
+        def change(table: RolloutTable) -> Rollout:
+            if action == "start":
+                rollout = table.start(body.model, body.version, body.weight)
+            else:
+                rollout = getattr(table, action)(body.model, body.version)  # promote, rollback
+            if on_change is not None:  # still where the table lives: the fleet hears changes in table order
+                on_change(action, rollout, body.version, model_dir)
+            return rollout
+
+        return {"rollout": (await on_table(change)).as_dict()}
+
+    async def verified_dir(body: RolloutCommand) -> str:
+        model_dir = body.model_dir or resolve_dir(body.model, body.version)
+        if not model_dir:
+            raise HTTPException(422, f"no checkpoint known for {body.model} version {body.version!r}; "
+                                     "pass model_dir so it can be verified before it takes traffic")
+        try:
+            await asyncio.to_thread(verify, model_dir)
+        except RolloutError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+        return model_dir
 
     return api
 
@@ -100,7 +136,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model")
     parser.add_argument("version")
     parser.add_argument("--weight", type=float, default=0.05, help="start: share of traffic for VERSION (0.05 = 5%%)")
-    parser.add_argument("--model-dir", help="start: VERSION's checkpoint, verified before it takes traffic")
+    parser.add_argument("--model-dir", help="start: VERSION's checkpoint, verified before it takes traffic "
+                                            "(default: the model's checkpoint directory + '@VERSION')")
     parser.add_argument("--url", help="gateway URL (default: the running server recorded in run_dir)")
     parser.add_argument("--site")
     parser.add_argument("--run-dir")
@@ -125,9 +162,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             rollout = json.load(response)["rollout"]
     except urllib.error.HTTPError as exc:
-        try:
-            detail = json.load(exc).get("detail", "")
-        except ValueError:
+        try:  # FastAPI's {"detail": ...}, or the gateway's OpenAI-shaped {"error": {"message": ...}}
+            answer = json.load(exc)
+            detail = answer.get("detail") or answer.get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
             detail = exc.reason
         print(f"error: rollout {args.action} {args.model} {args.version} refused ({exc.code}): {detail}",
               file=sys.stderr)

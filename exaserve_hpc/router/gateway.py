@@ -242,7 +242,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
-        if exc.status_code == 404:
+        if exc.status_code == 404 and message == "Not Found":  # no such route (a route's own 404 says more)
             message = (f"no route {request.method} {request.url.path}; this server serves /v1/models, "
                        "/v1/completions, /v1/chat/completions, /health, /metrics and /openapi.json")
         return error_response(ApiError(exc.status_code, message))

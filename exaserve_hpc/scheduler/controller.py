@@ -38,11 +38,11 @@ from ..protocol import (
 from ..router.zmq_router import ZmqRouter, bind
 from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
 from .demand import DemandHistory
-from .rollout_control import RolloutFleet
 from .fleet_state import (  # noqa: F401 (AgentRecord, ReplicaRecord, assign_replicas re-exported)
     AgentRecord, ReplicaRecord, assign_replicas, desired_replicas, fresh_replica_ids, model_loads,
     pick_for_removal, unplaced_reason,
 )
+from .rollout_control import RolloutFleet
 
 log = logging.getLogger("exaserve.controller")
 

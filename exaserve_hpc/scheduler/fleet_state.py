@@ -47,6 +47,7 @@ class ReplicaRecord:
     replica_id: str
     model: str
     agent_id: Optional[str] = None
+    version: str = ""  # model version it runs (canary rollouts); "" = the site's checkpoint
     state: ReplicaState = ReplicaState.PENDING
     pid: int = 0
     detail: str = ""

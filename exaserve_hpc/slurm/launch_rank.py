@@ -72,6 +72,7 @@ def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
 def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories: list[NodeInventory],
                    args: argparse.Namespace, comm=None) -> int:
     from ..launch import gateway_server, build_router, ensure_checkpoints, listen_socket, write_state
+    from ..router.admin_api import serving_admin_routes
     from ..router.backend import ModelInfo
     from ..router.client import RouterClient
     from ..router.gateway import create_app
@@ -109,7 +110,8 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
-    server = gateway_server(create_app(client, site), log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller))
+    server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     try:
         server.run(sockets=[listener])
