@@ -60,6 +60,15 @@ def test_no_rollout_uses_every_replica_and_missing_canary_gives_its_share_back()
     assert {version_of(d, d.on_request(b"g", req(1000 + i), 0)) for i in range(50)} == {""}
 
 
+def test_a_canary_whose_replicas_cannot_take_a_request_gives_it_to_the_stable_version():
+    d = dispatcher()
+    d.rollouts.start("m", "v2", weight=1.0)
+    assert version_of(d, d.on_request(b"g", req(0), 0)) == "v2"
+    d.drain("b1")  # v2's only replica stops taking work (a breaker opening does the same)
+    assert {version_of(d, d.on_request(b"g", req(1 + i), 0)) for i in range(20)} == {""}
+    assert not d.pending
+
+
 def test_promote_and_rollback_end_the_rollout():
     t = RolloutTable()
     t.start("m", "v2", 0.05)
