@@ -67,17 +67,26 @@ def serving_admin_routes(site, router, controller) -> APIRouter:
         path = version_dir(site, model, version)
         return str(path) if path is not None else None
 
+    host = site.gateway.host
+    local = host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
     return make_admin_router(router_apply(router), resolve_dir, admin_key=site.router.admin_key,
-                             on_change=controller.rollouts.changed, models=[m.model_name for m in site.models])
+                             on_change=controller.rollouts.changed, models=[m.model_name for m in site.models],
+                             keyless=None if local else host)
 
 
 def make_admin_router(apply: Apply, resolve_dir: Callable[[str, str], Optional[str]] = lambda m, v: None,
                       admin_key: Optional[str] = None, verify: Callable[[str], None] = check_version,
-                      on_change: Optional[OnChange] = None, models: Optional[Collection[str]] = None) -> APIRouter:
-    """models: the served model names (None: any); a command for another model is refused with 404."""
+                      on_change: Optional[OnChange] = None, models: Optional[Collection[str]] = None,
+                      keyless: Optional[str] = None) -> APIRouter:
+    """models: the served model names (None: any); a command for another model is refused with 404.
+    keyless: the non-loopback address the gateway listens on, if any; without an admin key the
+    routes then refuse everyone (403), since anyone who can reach the gateway could change traffic."""
     api = APIRouter()
 
     def authorize(authorization: Optional[str]) -> None:
+        if not admin_key and keyless:
+            raise HTTPException(403, f"the gateway listens on {keyless}, beyond this machine, and no admin key "
+                                     "is set; set router.admin_key in the site config to use the admin routes")
         if admin_key and authorization != f"Bearer {admin_key}":
             raise HTTPException(401, "admin routes need 'Authorization: Bearer <admin key>' "
                                      "(the site's router admin key)")

@@ -123,6 +123,17 @@ def admin_app(table: RolloutTable, **kw) -> FastAPI:
     return app
 
 
+def test_admin_routes_on_a_gateway_reachable_from_other_machines_need_a_key(checkpoints):
+    good, _ = checkpoints
+    table = RolloutTable()
+    keyless = TestClient(admin_app(table, keyless="0.0.0.0"))
+    r = keyless.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": good})
+    assert r.status_code == 403 and "router.admin_key" in r.json()["detail"] and table.rollouts == {}
+    assert keyless.get("/v1/exaserve/rollouts").status_code == 403
+    keyed = TestClient(admin_app(table, keyless="0.0.0.0", admin_key="k"))
+    assert keyed.get("/v1/exaserve/rollouts", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
 def test_admin_routes_verify_before_traffic_and_need_the_key(checkpoints):
     good, bad = checkpoints
     table = RolloutTable()
