@@ -95,7 +95,8 @@ def render_status(status: dict, url: str) -> None:
     for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts", "weights"):
         replicas.add_column(column)
     for r in status.get("replicas", []):
-        replicas.add_row(r["replica_id"], r["model"], r["state"], str(r["node"] or "-"), str(r["pid"] or "-"),
+        model = f"{r['model']}@{r['version']}" if r.get("version") else r["model"]
+        replicas.add_row(r["replica_id"], model, r["state"], str(r["node"] or "-"), str(r["pid"] or "-"),
                          str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]),
                          _weights_column(r))
     out.print(replicas)

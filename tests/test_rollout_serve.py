@@ -191,6 +191,8 @@ def test_canary_takes_its_share_then_promote_replaces_and_rollback_drains(deploy
         assert shown.returncode == 0, shown.stderr
         state = json.loads(shown.stdout)
         assert versions_of(state) == ["", "v2"] and state["router"]["rollouts"] == table
+        shown = cli("status", "--run-dir", str(run_dir))  # the table names each replica's version
+        assert shown.returncode == 0 and f"{MODEL}@v2" in shown.stdout, shown.stdout + shown.stderr
         canary = answers(client, CANARY + STABLE)
         for prompt in CANARY:
             assert canary[prompt] != v1[prompt], f"{prompt!r} (bucket {bucket(prompt):.2f}) was not answered by v2"
