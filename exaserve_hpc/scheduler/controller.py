@@ -14,12 +14,15 @@ pure functions; the thread only carries them out. A scale-down drains the
 replica in the router first (no new requests), then asks its agent to stop
 it (it finishes what it holds, then exits); the record goes once it reports
 stopped.
+
+Parts of it live in their own modules: rollouts (rollout_control.py) and
+load failover with L2 prefetch (weight_control.py), both run on its thread;
+and the `status()` dict (controller_status.py).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -28,29 +31,25 @@ from typing import Callable, Optional
 import zmq
 
 from ..agent.lifecycle import ReplicaState
-from ..agent.load_failover import after_load_failure
-from ..cache.prefetch import prefetch_plan
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, LoadFailed, Prefetch,
-    ReplicaEvent, Shutdown, StartReplica, StopReplica, decode, encode,
+    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, LoadFailed, ReplicaEvent, Shutdown,
+    StartReplica, StopReplica, decode, encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
 from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
+from .controller_status import controller_status
 from .demand import DemandHistory
 from .fleet_state import (  # noqa: F401 (AgentRecord, ReplicaRecord, assign_replicas re-exported)
     AgentRecord, ReplicaRecord, assign_replicas, desired_replicas, fresh_replica_ids, model_loads,
     pick_for_removal, unplaced_reason,
 )
 from .rollout_control import RolloutFleet
+from .weight_control import WeightControl
 
 log = logging.getLogger("exaserve.controller")
 
 MAX_RESTARTS = 5
-
-
-def _finite(x: float) -> Optional[float]:
-    return round(x, 3) if math.isfinite(x) else None  # JSON has no infinity (no replica serving, work queued)
 
 
 class Controller:
@@ -96,6 +95,7 @@ class Controller:
         self._thread = threading.Thread(target=self._run, name="exaserve-controller", daemon=True)
         self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
         self.rollouts = RolloutFleet(self)  # model versions: what a rollout starts and stops (rollout_control.py)
+        self.weights = WeightControl(self)  # load failover and L2 prefetch (weight_control.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -137,68 +137,8 @@ class Controller:
             return sum(r.state is ReplicaState.SERVING for r in self.replicas.values())
 
     def status(self) -> dict:
-        routed = {r["replica_id"]: r for r in self.router.snapshot().get("replicas", [])}
-        with self._lock:
-            return {
-                "site": self.site.site,
-                "controller": {"endpoint": self.endpoint, "started_at": self.started_at,
-                               "router_frontend": self.router.frontend_endpoint,
-                               "router_backend": self.router.backend_endpoint},
-                "agents": [
-                    {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
-                     "state": "lost" if a.lost else "alive",
-                     "heartbeat_age": round(self.clock() - a.last_seen, 3),
-                     "lost_since": (round(time.time() - (self.clock() - self.lost_at[a.agent_id]), 3)
-                                    if a.lost and a.agent_id in self.lost_at else None),
-                     "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
-                     "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
-                             "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
-                    for a in self.agents.values()
-                ],
-                "replicas": [
-                    {"replica_id": r.replica_id, "model": r.model, "version": r.version, "state": r.state.value,
-                     "node": r.agent_id,
-                     "pid": r.pid, "endpoint": self.router.backend_endpoint if r.replica_id in routed else None,
-                     "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
-                     "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
-                     "restarts": r.restarts, "detail": r.detail, "load_progress": r.load_progress,
-                     "load_bytes_done": r.load_bytes_done, "load_bytes_total": r.load_bytes_total,
-                     "load_source": r.load_source}
-                    for r in self.replicas.values()
-                ],
-                "models": self._models_summary(),
-                "router": {k: v for k, v in self.router.snapshot().items() if k != "replicas"},
-                "restored": self._restored_summary(),
-            }
-
-    def _models_summary(self) -> list[dict]:
-        """Per model: replicas serving (current) and wanted (target), the latest decision, the last scaling."""
-        summary = []
-        for model in self.site.models:
-            name = model.model_name
-            mine = [r for r in self.replicas.values() if r.model == name]
-            latest, (scaled, at) = self.decisions.get(name), self.last_scaling.get(name, (None, 0.0))
-            summary.append({
-                "model": name, "min_replicas": self.site.min_replicas(model),
-                "current": sum(r.serving for r in mine), "target": sum(not r.stopping for r in mine),
-                "stopping": sum(r.stopping for r in mine),
-                "load": _finite(latest.load) if latest is not None else None,
-                "decision": latest.reason if latest is not None else None,
-                "last_scale": ({"at": round(at, 3), "from": scaled.current, "to": scaled.target,
-                                "load": _finite(scaled.load), "reason": scaled.reason}
-                               if scaled is not None else None)})
-        return summary
-
-    def _restored_summary(self) -> Optional[dict]:
-        state = self.restored
-        if state is None:
-            return None
-        return {"job_id": state.job_id, "restart": state.restart, "saved_at": state.saved_at,
-                "placement": {rid: list(v) for rid, v in state.placement.items()},
-                "affinity": {str(h): list(r) for h, r in state.affinity.items()},
-                "quota": {g: list(v) for g, v in state.quota.items()},
-                "rollout": {m: [r.version, r.stage, r.weight] for m, r in state.rollout.items()},
-                "excluded_nodes": list(state.excluded_nodes)}
+        """The fleet as one JSON-ready dict, for any thread (controller_status.py)."""
+        return controller_status(self)
 
     # ---------------------------------------------------------------- controller thread
 
@@ -265,44 +205,7 @@ class Controller:
         elif isinstance(message, ReplicaEvent):
             self._on_replica_event(agent_id, message, now)
         elif isinstance(message, LoadFailed):
-            self._on_load_failed(agent_id, message)
-
-    def _on_load_failed(self, agent_id: str, failed: LoadFailed) -> None:
-        """Weights would not load on `agent_id`: start the replica on another node, or leave it failed."""
-        if not failed.replica_id:
-            log.warning("prefetch of %s on %s failed (%s): %s", failed.model, agent_id, failed.reason, failed.detail)
-            return
-        record = self.replicas.get(failed.replica_id)
-        if record is None or record.agent_id != agent_id:
-            return
-        if record.stopping:  # scaled down while it loaded: nothing to move
-            self._forget(record, "scaled down, weights did not load")
-            return
-        record.tried_agents.add(agent_id)
-        counts: dict[str, int] = {}
-        for r in self.replicas.values():
-            if r.agent_id is not None and not r.state.terminal:
-                counts[r.agent_id] = counts.get(r.agent_id, 0) + 1
-        nodes = [a.view(counts.get(a.agent_id, 0)) for a in self.agents.values() if not a.lost]
-        decision = after_load_failure(failed, nodes, record.tried_agents, self._needed_bytes(record))
-        record.restart_at = 0.0  # the failover decides, not the same-node restart
-        if decision.agent_id is None:
-            record.state = ReplicaState.FAILED
-            record.detail = f"weights did not load: {decision.why}"
-            log.error("replica %s stays failed: %s", record.replica_id, decision.why)
-            return
-        log.warning("replica %s: load failed on %s; starting it on %s (%s)", record.replica_id, agent_id,
-                    decision.agent_id, decision.why)
-        record.agent_id = decision.agent_id
-        self._start(record)
-
-    def _needed_bytes(self, record: ReplicaRecord) -> int:
-        from ..agent.node_agent import estimate_replica_bytes
-        from ..cache.manifest import CheckpointError
-        try:
-            return estimate_replica_bytes(self._spec(record))
-        except (CheckpointError, OSError, ValueError):
-            return 0  # unknown size: any node may try
+            self.weights.on_load_failed(agent_id, message)
 
     def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
         record = self.replicas.get(event.replica_id)
@@ -362,38 +265,7 @@ class Controller:
             if now >= self._next_demand_sample:
                 self._next_demand_sample = now + self.demand_interval
                 self.demand.observe(self.router.snapshot())
-                self._prefetch(now)
-
-    def _prefetch(self, now: float) -> None:
-        """Ask each live node to load into L2 the models its demand forecast wants (cache/prefetch.py)."""
-        model_bytes = self._model_bytes()
-        history = self.demand.history()
-        quiet = max(3 * self.site.heartbeat.interval, 2 * self.demand_interval)  # until a heartbeat shows it
-        for agent in self.agents.values():
-            if agent.lost or agent.l2 is None:
-                continue
-            recent = {m for m, at in agent.prefetch_sent.items() if now - at < quiet}
-            wanted = {m: h for m, h in history.items() if m not in recent}
-            for action in prefetch_plan(wanted, agent.l2, model_bytes):
-                log.info("prefetch %s into L2 of %s (forecast %.1f requests/interval, evicts %s)", action.model,
-                         agent.agent_id, action.forecast, list(action.evicts) or "nothing")
-                agent.prefetch_sent[action.model] = now
-                self._send(agent.agent_id, Prefetch(model=action.model,
-                                                    model_dir=str(self.site.model_dir(self.site.model(action.model)))))
-
-    def _model_bytes(self) -> dict[str, int]:
-        """Checkpoint size per model with weights in the shared store (echo/timing models have none)."""
-        from ..cache.l3_store import manifest_bytes
-        from ..cache.manifest import CheckpointError
-        sizes = {}
-        for model in self.site.models:
-            if model.engine in ("echo", "timing"):
-                continue
-            try:
-                sizes[model.model_name] = manifest_bytes(self.site.model_dir(model))
-            except (CheckpointError, OSError, ValueError):
-                continue  # no checkpoint yet: nothing to prefetch
-        return sizes
+                self.weights.prefetch(now)
 
     # ---------------------------------------------------------------- autoscaling
 

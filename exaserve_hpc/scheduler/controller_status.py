@@ -1,0 +1,89 @@
+"""What `Controller.status()` returns: the fleet as the gateway's /status and `exaserve status` show it.
+
+One plain dict, safe to serialise as JSON: the controller's endpoints, each agent (alive or lost, heartbeat
+age, host memory, L2 contents), each replica (state, node, queue, restarts, load progress), each model
+(replicas serving and wanted, the autoscaler's latest decision and last scaling), the router's counters,
+and the checkpoint this run was restored from (a requeued job). It is read from any thread; the controller's
+lock is held while the fleet is read, so a reader never sees a half-applied update.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+
+def _finite(x: float) -> Optional[float]:
+    return round(x, 3) if math.isfinite(x) else None  # JSON has no infinity (no replica serving, work queued)
+
+
+def controller_status(ctl: "Controller") -> dict:
+    """The fleet as one JSON-ready dict (see the module docstring)."""
+    routed = {r["replica_id"]: r for r in ctl.router.snapshot().get("replicas", [])}
+    with ctl._lock:
+        return {
+            "site": ctl.site.site,
+            "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
+                           "router_frontend": ctl.router.frontend_endpoint,
+                           "router_backend": ctl.router.backend_endpoint},
+            "agents": [
+                {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
+                 "state": "lost" if a.lost else "alive",
+                 "heartbeat_age": round(ctl.clock() - a.last_seen, 3),
+                 "lost_since": (round(time.time() - (ctl.clock() - ctl.lost_at[a.agent_id]), 3)
+                                if a.lost and a.agent_id in ctl.lost_at else None),
+                 "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
+                 "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
+                         "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
+                for a in ctl.agents.values()
+            ],
+            "replicas": [
+                {"replica_id": r.replica_id, "model": r.model, "version": r.version, "state": r.state.value,
+                 "node": r.agent_id,
+                 "pid": r.pid, "endpoint": ctl.router.backend_endpoint if r.replica_id in routed else None,
+                 "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
+                 "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
+                 "restarts": r.restarts, "detail": r.detail, "load_progress": r.load_progress,
+                 "load_bytes_done": r.load_bytes_done, "load_bytes_total": r.load_bytes_total,
+                 "load_source": r.load_source}
+                for r in ctl.replicas.values()
+            ],
+            "models": models_summary(ctl),
+            "router": {k: v for k, v in ctl.router.snapshot().items() if k != "replicas"},
+            "restored": restored_summary(ctl.restored),
+        }
+
+
+def models_summary(ctl: "Controller") -> list[dict]:
+    """Per model: replicas serving (current) and wanted (target), the latest decision, the last scaling."""
+    summary = []
+    for model in ctl.site.models:
+        name = model.model_name
+        mine = [r for r in ctl.replicas.values() if r.model == name]
+        latest, (scaled, at) = ctl.decisions.get(name), ctl.last_scaling.get(name, (None, 0.0))
+        summary.append({
+            "model": name, "min_replicas": ctl.site.min_replicas(model),
+            "current": sum(r.serving for r in mine), "target": sum(not r.stopping for r in mine),
+            "stopping": sum(r.stopping for r in mine),
+            "load": _finite(latest.load) if latest is not None else None,
+            "decision": latest.reason if latest is not None else None,
+            "last_scale": ({"at": round(at, 3), "from": scaled.current, "to": scaled.target,
+                            "load": _finite(scaled.load), "reason": scaled.reason}
+                           if scaled is not None else None)})
+    return summary
+
+
+def restored_summary(state) -> Optional[dict]:
+    """The checkpoint.ControllerState this run started from, as JSON; None on a first run."""
+    if state is None:
+        return None
+    return {"job_id": state.job_id, "restart": state.restart, "saved_at": state.saved_at,
+            "placement": {rid: list(v) for rid, v in state.placement.items()},
+            "affinity": {str(h): list(r) for h, r in state.affinity.items()},
+            "quota": {g: list(v) for g, v in state.quota.items()},
+            "rollout": {m: [r.version, r.stage, r.weight] for m, r in state.rollout.items()},
+            "excluded_nodes": list(state.excluded_nodes)}

@@ -1,0 +1,113 @@
+"""Model weights on the controller's side: where a replica goes when its weights will not load, and
+which models each node loads into its L2 before they are asked for.
+
+- load failover: an agent reports LoadFailed for a replica; `after_load_failure` (agent/load_failover.py)
+  picks another live node with room that has not failed it yet, or none (a bad shared-store copy fails
+  everywhere), and the replica is started there or left failed. A prefetch that failed is only logged.
+- L2 prefetch: on each demand sample the controller hands the demand history to `prefetch_plan`
+  (cache/prefetch.py) per live node and sends a Prefetch for each model the plan fills. A model asked for
+  is not asked for again on that node until a heartbeat has had time to show it in the node's L2.
+
+Decisions are the pure functions; `WeightControl` carries them out on the controller thread, holding the
+controller's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..agent.lifecycle import ReplicaState
+from ..agent.load_failover import NodeView, after_load_failure
+from ..cache.prefetch import prefetch_plan
+from ..config import SiteConfig
+from ..protocol import LoadFailed, Prefetch
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .fleet_state import ReplicaRecord
+
+log = logging.getLogger("exaserve.controller")  # these lines were the controller's; their logger stays
+
+
+def model_bytes(site: SiteConfig) -> dict[str, int]:
+    """Checkpoint size per model with weights in the shared store (echo/timing models have none)."""
+    from ..cache.l3_store import manifest_bytes
+    from ..cache.manifest import CheckpointError
+    sizes = {}
+    for model in site.models:
+        if model.engine in ("echo", "timing"):
+            continue
+        try:
+            sizes[model.model_name] = manifest_bytes(site.model_dir(model))
+        except (CheckpointError, OSError, ValueError):
+            continue  # no checkpoint yet: nothing to prefetch
+    return sizes
+
+
+class WeightControl:
+    """Load failover and L2 prefetch; the controller calls `on_load_failed` and `prefetch` on its thread."""
+
+    def __init__(self, controller: "Controller"):
+        self.controller = controller
+
+    def on_load_failed(self, agent_id: str, failed: LoadFailed) -> None:
+        """Weights would not load on `agent_id`: start the replica on another node, or leave it failed."""
+        ctl = self.controller
+        if not failed.replica_id:
+            log.warning("prefetch of %s on %s failed (%s): %s", failed.model, agent_id, failed.reason, failed.detail)
+            return
+        record = ctl.replicas.get(failed.replica_id)
+        if record is None or record.agent_id != agent_id:
+            return
+        if record.stopping:  # scaled down while it loaded: nothing to move
+            ctl._forget(record, "scaled down, weights did not load")
+            return
+        record.tried_agents.add(agent_id)
+        decision = after_load_failure(failed, self._live_nodes(), record.tried_agents, self._needed_bytes(record))
+        record.restart_at = 0.0  # the failover decides, not the same-node restart
+        if decision.agent_id is None:
+            record.state = ReplicaState.FAILED
+            record.detail = f"weights did not load: {decision.why}"
+            log.error("replica %s stays failed: %s", record.replica_id, decision.why)
+            return
+        log.warning("replica %s: load failed on %s; starting it on %s (%s)", record.replica_id, agent_id,
+                    decision.agent_id, decision.why)
+        record.agent_id = decision.agent_id
+        ctl._start(record)
+
+    def _needed_bytes(self, record: "ReplicaRecord") -> int:
+        """Bytes per device the replica reserves; 0 when its size is unknown (any node may try)."""
+        from ..agent.node_agent import estimate_replica_bytes
+        from ..cache.manifest import CheckpointError
+        try:
+            return estimate_replica_bytes(self.controller._spec(record))
+        except (CheckpointError, OSError, ValueError):
+            return 0
+
+    def _live_nodes(self) -> list[NodeView]:
+        """A view of each live node with the number of unfinished replicas placed on it."""
+        counts: dict[str, int] = {}
+        for r in self.controller.replicas.values():
+            if r.agent_id is not None and not r.state.terminal:
+                counts[r.agent_id] = counts.get(r.agent_id, 0) + 1
+        return [a.view(counts.get(a.agent_id, 0)) for a in self.controller.agents.values() if not a.lost]
+
+    def prefetch(self, now: float) -> None:
+        """Ask each live node to load into L2 the models its demand forecast wants (cache/prefetch.py)."""
+        ctl = self.controller
+        site = ctl.site
+        sizes = model_bytes(site)
+        history = ctl.demand.history()
+        quiet = max(3 * site.heartbeat.interval, 2 * ctl.demand_interval)  # until a heartbeat shows it
+        for agent in ctl.agents.values():
+            if agent.lost or agent.l2 is None:
+                continue
+            recent = {m for m, at in agent.prefetch_sent.items() if now - at < quiet}
+            wanted = {m: h for m, h in history.items() if m not in recent}
+            for action in prefetch_plan(wanted, agent.l2, sizes):
+                log.info("prefetch %s into L2 of %s (forecast %.1f requests/interval, evicts %s)", action.model,
+                         agent.agent_id, action.forecast, list(action.evicts) or "nothing")
+                agent.prefetch_sent[action.model] = now
+                ctl._send(agent.agent_id, Prefetch(model=action.model,
+                                                   model_dir=str(site.model_dir(site.model(action.model)))))
