@@ -107,8 +107,8 @@ class NodeAgent:
             l2_capacity = int(shm_free * 0.9)
         self.cache = L2Cache(root, l2_capacity)
         note = read_l2_page_note(root)
-        if note:
-            log.warning("%s", note)
+        if note:  # a warning where L2 is big enough for the copy speed to matter (not a laptop's 1 GiB)
+            log.log(logging.WARNING if l2_capacity >= 16 << 30 else logging.INFO, "%s", note)
         self.cache.adopt(time.monotonic())
         self.loader = WeightLoader(self.cache, retries=load_retries)
         self.pool = node_pool(l2_capacity, pool_bytes, block_size)
