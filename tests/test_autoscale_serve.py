@@ -101,3 +101,28 @@ def test_a_burst_scales_up_then_idle_scales_down_to_the_minimum_and_no_request_f
         process.kill()
         raise
     stop_serve(process, lines)
+
+
+def test_a_model_with_no_replicas_scales_up_on_its_first_request_and_back_to_zero(tmp_path):
+    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
+    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
+    site["run_dir"] = str(tmp_path / "run")
+    site["scheduler"].update(tick_interval="200ms", cooldown_period="2s", min_replicas_per_model=0)
+    site["models"][0].update(replicas=0, min_replicas=0)
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(site))
+    process, url, lines = start_serve(path)
+    try:
+        assert serving(httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()) == 0
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        # The request waits in the router; its demand starts a replica, which then serves it.
+        completion = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8)
+        assert completion.usage.completion_tokens == 8
+        up = httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()
+        assert serving(up) == 1 and "below" not in up["models"][0]["last_scale"]["reason"]
+        down = wait_status(url, lambda s: not s["replicas"], 20, "a scale-down back to zero replicas")
+        assert down["models"][0]["current"] == 0 and down["router"]["failed"] == 0
+    except BaseException:
+        process.kill()
+        raise
+    stop_serve(process, lines)

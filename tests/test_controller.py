@@ -374,3 +374,16 @@ def test_model_loads_count_serving_replicas_and_what_is_in_flight_on_them(tmp_pa
     routed[records[0].replica_id]["draining"] = True  # drained in the router: no longer serving
     assert model_loads(site, records, routed)[0].replicas == 1
     assert pick_for_removal(records, routed, 2) == [f"{MODEL}/r0002", f"{MODEL}/r0000"]
+
+
+def test_requests_waiting_in_the_router_are_demand_even_with_no_replica(tmp_path):
+    from exaserve_hpc.scheduler.autoscale import AutoscalePolicy, ScalingHistory, decide
+    from exaserve_hpc.scheduler.fleet_state import model_loads
+
+    site = make_site(tmp_path, 0, model={"max_batch_size": 8, "min_replicas": 0})
+    (idle,) = model_loads(site, [], {})
+    (waiting,) = model_loads(site, [], {}, {MODEL: 3, "another-model": 5})
+    assert (idle.replicas, idle.queue_depth, waiting.queue_depth) == (0, 0, 3)
+    policy = AutoscalePolicy.from_site(site)
+    assert decide(idle, policy, ScalingHistory(), 0.0).target == 0
+    assert decide(waiting, policy, ScalingHistory(), 0.0).target == 1

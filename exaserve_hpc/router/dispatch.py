@@ -201,12 +201,22 @@ class Dispatcher:
             ],
             "inflight": len(self.inflight),
             "pending": len(self.pending),
+            "pending_by_model": self._pending_by_model(),
             "routing": dict(self.reasons),
             "rollouts": self.rollouts.snapshot(),
             **self.counters,
         }
 
     # ---------------------------------------------------------------- internals
+
+    def _pending_by_model(self) -> dict[str, int]:
+        """Requests waiting for a replica, per model: the demand of a model with none serving."""
+        counts: dict[str, int] = {}
+        for request_id in self.pending:
+            entry = self.inflight.get(request_id)
+            if entry is not None:
+                counts[entry.request.model] = counts.get(entry.request.model, 0) + 1
+        return counts
 
     def _candidates(self, entry: Inflight) -> ReplicaPool:
         model = entry.request.model

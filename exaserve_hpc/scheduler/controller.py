@@ -271,8 +271,10 @@ class Controller:
 
     def _autoscale(self, now: float) -> None:
         """One autoscaler tick: loads from the router's counters, decisions carried out at once."""
-        routed = {r["replica_id"]: r for r in self.router.snapshot().get("replicas", [])}
-        for decision in self.autoscaler.tick(model_loads(self.site, self.replicas.values(), routed), now):
+        snapshot = self.router.snapshot()
+        routed = {r["replica_id"]: r for r in snapshot.get("replicas", [])}
+        loads = model_loads(self.site, self.replicas.values(), routed, snapshot.get("pending_by_model", {}))
+        for decision in self.autoscaler.tick(loads, now):
             self.decisions[decision.model] = decision
             if decision.direction == HOLD:
                 log.debug("autoscale %s: %s", decision.model, decision.reason)

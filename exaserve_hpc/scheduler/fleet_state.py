@@ -115,9 +115,12 @@ def in_flight(routed: Mapping[str, dict], rid: str) -> int:
     return max(entry.get("outstanding", 0), entry.get("queue_depth", 0))
 
 
-def model_loads(site: SiteConfig, records: Iterable[ReplicaRecord], routed: Mapping[str, dict]) -> list[ModelLoad]:
+def model_loads(site: SiteConfig, records: Iterable[ReplicaRecord], routed: Mapping[str, dict],
+                pending: Mapping[str, int] = {}) -> list[ModelLoad]:
     """One ModelLoad per site model: its serving replicas (those still routed and not draining) and the
-    requests in flight on them; `routed` maps replica id -> the router snapshot's entry."""
+    requests in flight on them plus those the router holds waiting for a replica (`pending`, per model:
+    with none serving, they are what scales a model up from zero); `routed` maps replica id -> the
+    router snapshot's entry."""
     by_model: dict[str, list[ReplicaRecord]] = {m.model_name: [] for m in site.models}
     for record in records:
         if record.model in by_model:
@@ -126,8 +129,9 @@ def model_loads(site: SiteConfig, records: Iterable[ReplicaRecord], routed: Mapp
     for model in site.models:
         mine = by_model[model.model_name]
         serving = [r.replica_id for r in mine if r.serving and not routed.get(r.replica_id, {}).get("draining")]
-        loads.append(ModelLoad(model.model_name, len(serving), sum(in_flight(routed, rid) for rid in serving),
-                               site.max_batch_size(model), starting=sum(r.starting for r in mine)))
+        queued = sum(in_flight(routed, rid) for rid in serving) + pending.get(model.model_name, 0)
+        loads.append(ModelLoad(model.model_name, len(serving), queued, site.max_batch_size(model),
+                               starting=sum(r.starting for r in mine)))
     return loads
 
 

@@ -130,8 +130,10 @@ def test_client_error_from_replica_is_not_retried():
 def test_no_replica_within_first_token_timeout_is_503():
     d = make()
     d.on_request(GW, req("a"), 0)
+    assert d.snapshot()["pending_by_model"] == {"m": 1}  # the demand the autoscaler sees
     assert to_gateway(d.tick(4.0)) == []
     [err] = to_gateway(d.tick(5.5))
+    assert d.snapshot()["pending_by_model"] == {}
     assert err.status == 503 and err.code == "no_replica" and err.retry_after > 0
 
 
