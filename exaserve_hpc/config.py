@@ -52,6 +52,8 @@ class SchedulerConfig(_Section):
 class HeartbeatConfig(_Section):
     interval: Duration = 5.0
     misses: int = Field(3, ge=1)
+    # an agent that hears nothing from the controller this long stops its replicas and exits (0: never)
+    controller_timeout: Duration = 60.0
 
     @property
     def expiry(self) -> float:

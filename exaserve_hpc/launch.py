@@ -92,9 +92,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float,
-                l2_capacity: Optional[int] = None, l2_dir: Optional[str] = None) -> subprocess.Popen:
+                l2_capacity: Optional[int] = None, l2_dir: Optional[str] = None,
+                controller_timeout: float = 60.0) -> subprocess.Popen:
     command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
-               "--agent-id", agent_id, "--heartbeat", str(heartbeat), "--die-with-parent"]
+               "--agent-id", agent_id, "--heartbeat", str(heartbeat), "--die-with-parent",
+               "--controller-timeout", str(controller_timeout)]
     if l2_capacity is not None:
         command += ["--l2-capacity", str(int(l2_capacity))]
     if l2_dir is not None:
@@ -169,7 +171,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     controller = Controller(site, router, host=site.router.host).start()
     agent_id = site.cluster.hostnames()[0]
     agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval, site.weight_cache.l2_capacity,
-                        str(default_l2_root(agent_id, site.weight_cache.l2_path)))
+                        str(default_l2_root(agent_id, site.weight_cache.l2_path)), site.heartbeat.controller_timeout)
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,

@@ -182,6 +182,12 @@ class AgentHeartbeat(_Msg, tag="agent_hb"):
     l2: Optional[L2Status] = None
 
 
+class HeartbeatAck(_Msg, tag="agent_ack"):
+    """The controller heard an agent's heartbeat. An agent that hears nothing from its controller for
+    heartbeat.controller_timeout stops its replicas and exits, so a dead controller leaves no orphans."""
+    seq: int
+
+
 class ReplicaEvent(_Msg, tag="replica_event"):
     agent_id: str
     replica_id: str
@@ -258,7 +264,7 @@ Message = Union[
     GenerateRequest, Abort, TokenChunk, RequestError,
     ReplicaHello, ReplicaStats, ReplicaBye, Drain,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
-    Prefetch, LoadFailed,
+    Prefetch, LoadFailed, HeartbeatAck,
 ]
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

@@ -49,6 +49,7 @@ from .weight_loader import PREFETCH, FillResult, WeightLoader
 log = logging.getLogger("exaserve.agent")
 
 DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
+EXIT_CONTROLLER_LOST = 3  # the agent's exit status when its controller went silent
 RUNTIME_OVERHEAD = 0.25  # reserve weights x 1.25 when the controller does not say (KV cache, activations)
 
 
@@ -88,7 +89,8 @@ class NodeAgent:
     def __init__(self, controller: str, agent_id: str, heartbeat_interval: float = 5.0, node_index: int = 0,
                  hostname: Optional[str] = None, *, l2_capacity: int = DEFAULT_L2_CAPACITY,
                  l2_root: Optional[str] = None, pool_bytes: Optional[int] = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, keep_l2: bool = False, load_retries: int = 3):
+                 block_size: int = DEFAULT_BLOCK_SIZE, keep_l2: bool = False, load_retries: int = 3,
+                 controller_timeout: float = 0.0):
         self.controller = controller
         self.agent_id = agent_id
         self.hostname = hostname or pysocket.gethostname()
@@ -98,6 +100,11 @@ class NodeAgent:
         self.shutting_down = False
         self.shutdown_deadline = 0.0
         self.keep_l2 = keep_l2
+        # Silence from the controller this long (0: never) means it is gone: stop everything and exit
+        # non-zero, rather than keep replicas (and, under Slurm, the allocation) running for nobody.
+        self.controller_timeout = controller_timeout
+        self.controller_heard = time.monotonic()
+        self.exit_code = 0
         root = Path(l2_root) if l2_root else default_l2_root(agent_id)
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         shm_free = shutil.disk_usage(root).free
@@ -146,9 +153,16 @@ class NodeAgent:
                     self._heartbeat()
                     next_heartbeat = now + self.heartbeat_interval
                     self._heartbeat_due = False
+                if (self.controller_timeout and not self.shutting_down
+                        and now - self.controller_heard > self.controller_timeout):
+                    log.error("no word from the controller at %s for %.0fs (heartbeat.controller_timeout); "
+                              "stopping %d replica(s) and exiting", self.controller, now - self.controller_heard,
+                              len(self.replicas))
+                    self.exit_code = EXIT_CONTROLLER_LOST
+                    self.shutdown(5.0)
                 if self.shutting_down and self._all_done(now):
                     self._heartbeat()
-                    return 0
+                    return self.exit_code
         finally:
             self._kill_all()
             self.loader.close()
@@ -165,6 +179,7 @@ class NodeAgent:
 
     def _receive(self) -> None:
         for message in receive_pending(self.socket, 1000, log):
+            self.controller_heard = time.monotonic()
             if isinstance(message, StartReplica):
                 self.start(message)
             elif isinstance(message, StopReplica):
@@ -411,6 +426,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--l2-dir", help="where L2 lives (default /dev/shm/exaserve-l2-UID/AGENT_ID; "
                                          "weight_cache.l2_path sets the /dev/shm part)")
     parser.add_argument("--keep-l2", action="store_true", help="leave L2 in place at exit for the next agent")
+    parser.add_argument("--controller-timeout", type=float, default=60.0,
+                        help="seconds of silence from the controller after which the agent stops its replicas "
+                             f"and exits with status {EXIT_CONTROLLER_LOST} (0: never; heartbeat.controller_timeout)")
     parser.add_argument("--memory-pool", type=parse_size, default=None,
                         help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "
                              "less L2 on CPU nodes)")
@@ -423,7 +441,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         die_with_parent()
     agent = NodeAgent(args.controller, args.agent_id, args.heartbeat, args.node_index,
                       l2_capacity=args.l2_capacity, l2_root=args.l2_dir, pool_bytes=args.memory_pool,
-                      block_size=args.memory_block, keep_l2=args.keep_l2)
+                      block_size=args.memory_block, keep_l2=args.keep_l2,
+                      controller_timeout=args.controller_timeout)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller orders the shutdown
     return agent.run()

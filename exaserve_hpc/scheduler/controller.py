@@ -33,7 +33,7 @@ import zmq
 from ..agent.lifecycle import ReplicaState
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, LoadFailed, ReplicaEvent, Shutdown,
+    AgentHeartbeat, AgentHello, DecodeError, EngineSettings, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown,
     StartReplica, StopReplica, decode, encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
@@ -188,6 +188,7 @@ class Controller:
             log.warning("agent %s is back after being declared lost", agent_id)
             agent.lost = False
         if isinstance(message, AgentHeartbeat):
+            self._send(agent_id, HeartbeatAck(seq=message.seq))  # the agent's proof that we are alive
             agent.host_memory_used = message.host_memory_used
             agent.memory, agent.l2 = message.memory, message.l2
             for status in message.replicas:

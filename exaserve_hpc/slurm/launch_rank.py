@@ -63,7 +63,8 @@ def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
     from ..agent.node_agent import NodeAgent, default_l2_root
     agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
                       l2_capacity=site.weight_cache.l2_capacity,
-                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)))
+                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
+                      controller_timeout=site.heartbeat.controller_timeout)
     if keys is not None:
         secure_client(agent.socket, keys)
     return agent
