@@ -186,7 +186,9 @@ class ClusterConfig(_Section):
 
 
 class RouterConfig(_Section):
-    host: str = "127.0.0.1"
+    # where the router and the controller listen; None: loopback under `exaserve serve` (one machine),
+    # every interface, published under the node's name, under `exaserve launch` (a job across nodes)
+    host: Optional[str] = None
     frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     backend_port: int = Field(0, ge=0, le=65535)
     policy: Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"] = "least_load"
@@ -204,6 +206,11 @@ class RouterConfig(_Section):
     replica_heartbeat: Duration = 1.0
     replica_misses: int = Field(3, ge=1)
     admin_key: Optional[str] = None  # when set, the rollout admin API needs `Authorization: Bearer <admin_key>`
+
+    def bind_host(self, across_nodes: bool) -> str:
+        if self.host:
+            return self.host
+        return "0.0.0.0" if across_nodes else "127.0.0.1"
 
 
 class GatewayConfig(_Section):

@@ -121,10 +121,10 @@ def dispatch_settings(site: SiteConfig) -> DispatchSettings:
                             breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
 
 
-def build_router(site: SiteConfig) -> ZmqRouter:
+def build_router(site: SiteConfig, across_nodes: bool = False) -> ZmqRouter:
     r = site.router
     dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
-    return ZmqRouter(dispatcher, r.host, r.frontend_port, r.backend_port).start()
+    return ZmqRouter(dispatcher, r.bind_host(across_nodes), r.frontend_port, r.backend_port).start()
 
 
 def gateway_server(app, **config):
@@ -168,7 +168,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
 
     router = build_router(site)
-    controller = Controller(site, router, host=site.router.host).start()
+    controller = Controller(site, router, host=site.router.bind_host(across_nodes=False)).start()
     agent_id = site.cluster.hostnames()[0]
     agent = start_agent(controller.endpoint, agent_id, site.heartbeat.interval, site.weight_cache.l2_capacity,
                         str(default_l2_root(agent_id, site.weight_cache.l2_path)), site.heartbeat.controller_timeout)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket as pysocket
 import threading
 import time
 from concurrent.futures import Future
@@ -44,13 +45,17 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
 def bind(socket: zmq.Socket, host: str, port: int) -> str:
-    """Bind to host:port (0: any free port) and return the endpoint peers connect to."""
+    """Bind to host:port (0: any free port) and return the endpoint peers connect to: a wildcard
+    host is published under this node's name, which other nodes resolve (they cannot connect to 0.0.0.0)."""
     if port:
         socket.bind(f"tcp://{host}:{port}")
-        return f"tcp://{host}:{port}"
-    chosen = socket.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{chosen}"
+    else:
+        port = int(socket.bind_to_random_port(f"tcp://{host}"))
+    return f"tcp://{pysocket.getfqdn() if host in WILDCARD_HOSTS else host}:{port}"
 
 
 class ZmqRouter:

@@ -17,7 +17,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -54,11 +53,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run as a replacement node: join the controller published in --job-dir as an agent")
 
 
-def _advertised(endpoint: str) -> str:
-    """A wildcard bind is published under this node's hostname, which other nodes can resolve."""
-    return endpoint.replace("tcp://0.0.0.0:", f"tcp://{socket.getfqdn()}:").replace("tcp://*:", f"tcp://{socket.getfqdn()}:")
-
-
 def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
     from ..agent.node_agent import NodeAgent, default_l2_root
     agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
@@ -89,14 +83,15 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     host = args.host or site.gateway.host
     listener = listen_socket(host, site.gateway.port if args.port is None else args.port)
     url = f"http://{host}:{listener.getsockname()[1]}"
-    router = build_router(site)
+    router = build_router(site, across_nodes=True)
     nodes = [inv.node for inv in inventories]
-    controller = Controller(site, router, host=site.router.host, curve=keys, expected_agents=nodes,
+    controller = Controller(site, router, host=site.router.bind_host(across_nodes=True), curve=keys,
+                            expected_agents=nodes,
                             placement_grace=max(10.0, 3 * site.heartbeat.expiry))
     restore_checkpoint(controller, jobdir)
     controller.start()
     requeuer = start_requeuer(controller, rank, jobdir, nodes, args)
-    endpoint = _advertised(controller.endpoint)
+    endpoint = controller.endpoint  # published under this node's name when bound to every interface
     own_agent = _make_agent(controller.endpoint, rank, site, keys)
     agent_thread = threading.Thread(target=own_agent.run, name="exaserve-agent-rank0", daemon=True)
     agent_thread.start()

@@ -120,3 +120,25 @@ def test_several_gateways_share_one_router_and_each_gets_only_its_own_replies(ro
             if r.process.poll() is None:
                 r.process.terminate()
             r.process.wait(10)
+
+
+def test_a_router_bound_to_every_interface_is_published_under_the_node_name():
+    """Agents and replicas on other nodes get this endpoint: they cannot connect to 0.0.0.0."""
+    import socket as pysocket
+
+    from exaserve_hpc.config import RouterConfig
+    from exaserve_hpc.router.zmq_router import bind
+    assert RouterConfig().bind_host(across_nodes=False) == "127.0.0.1"
+    assert RouterConfig().bind_host(across_nodes=True) == "0.0.0.0"
+    assert RouterConfig(host="10.1.2.3").bind_host(across_nodes=True) == "10.1.2.3"
+    context = zmq.Context()
+    try:
+        server, client = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+        endpoint = bind(server, "0.0.0.0", 0)
+        assert endpoint.startswith(f"tcp://{pysocket.getfqdn()}:")
+        client.connect(endpoint)
+        client.send(b"hello")
+        assert server.poll(5000) and server.recv_multipart()[1] == b"hello"
+        assert bind(context.socket(zmq.ROUTER), "127.0.0.1", 0).startswith("tcp://127.0.0.1:")
+    finally:
+        context.destroy(linger=0)
