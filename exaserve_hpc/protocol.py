@@ -139,6 +139,7 @@ class MemoryPoolStatus(msgspec.Struct, omit_defaults=True):
     total: list[int] = []
     free: list[int] = []
     reservations: dict[str, int] = {}  # replica id -> bytes reserved (all its devices)
+    devices: dict[str, list[int]] = {}  # replica id -> the devices its reservation is on
 
 
 class L2EntryStatus(msgspec.Struct, omit_defaults=True):

@@ -2,12 +2,14 @@
 
 Covers the weight-cache integration: load progress and L2/memory telemetry copied from heartbeats into
 status(), load failover on LoadFailed (another node, or stay failed with the reason), L2 prefetch from
-demand history, and the engine settings a StartReplica carries; and autoscaling: scale-up placement,
-scale-down drain-then-stop, the cooldown and the minimum.
+demand history, and the engine settings a StartReplica carries; autoscaling: scale-up placement,
+scale-down drain-then-stop, the cooldown and the minimum; and the OOM guard: a node short of memory loses
+its lowest-priority replica (drained, then stopped), never a model's last, and takes no new one for a while.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -55,7 +57,8 @@ class FakeRouter:
         self.drained.append(replica_id)
 
 
-def make_site(tmp_path, replicas: int = 2, scheduler: dict | None = None, model: dict | None = None):
+def make_site(tmp_path, replicas: int = 2, scheduler: dict | None = None, model: dict | None = None,
+              more_models: list[dict] = ()):
     data = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
     data["scheduler"]["tick_interval"] = 0.05
     data["scheduler"].update(scheduler or {})
@@ -65,6 +68,7 @@ def make_site(tmp_path, replicas: int = 2, scheduler: dict | None = None, model:
     data["batching"].update(chunked_prefill=False, prefill_chunk_tokens=128)
     data.setdefault("router", {}).update(coalesce_ms=7.0, coalesce_tokens=5)
     data["models"][0].update(replicas=replicas, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    data["models"] += [{**data["models"][0], **extra} for extra in more_models]  # same shape, another name
     model_dir = tmp_path / "models" / MODEL
     model_dir.mkdir(parents=True)
     (model_dir / "weights.bin").write_bytes(b"\0" * 4096)
@@ -84,16 +88,20 @@ class FakeAgent:
     def send(self, message) -> None:
         self.socket.send(encode(message))
 
-    def hello(self, free: int = 8 * GiB, l2: L2Status | None = None) -> None:
-        self.send(AgentHello(agent_id=self.agent_id, hostname=self.agent_id, pid=1,
+    def hello(self, free: int = 8 * GiB, l2: L2Status | None = None, host_total: int = 0) -> None:
+        self.send(AgentHello(agent_id=self.agent_id, hostname=self.agent_id, pid=1, host_memory_total=host_total,
                              memory=MemoryPoolStatus(block_size=1 << 20, total=[free], free=[free]),
                              l2=l2 or L2Status(capacity=GiB)))
 
-    def heartbeat(self, replicas=(), free: int = 8 * GiB, l2: L2Status | None = None) -> None:
+    def heartbeat(self, replicas=(), free: int = 8 * GiB, l2: L2Status | None = None, host_used: int = 0,
+                  reservations: dict[str, int] | None = None) -> None:
+        """A CPU node's heartbeat: `host_used` bytes of host memory in use, `reservations` held in its pool."""
         self.seq += 1
-        self.send(AgentHeartbeat(agent_id=self.agent_id, seq=self.seq, replicas=list(replicas),
-                                 memory=MemoryPoolStatus(block_size=1 << 20, total=[free], free=[free]),
-                                 l2=l2 or L2Status(capacity=GiB)))
+        held = reservations or {}
+        pool = MemoryPoolStatus(block_size=1 << 20, total=[free + sum(held.values())], free=[free], reservations=held,
+                                devices={rid: [0] for rid in held})
+        self.send(AgentHeartbeat(agent_id=self.agent_id, seq=self.seq, replicas=list(replicas), memory=pool,
+                                 host_memory_used=host_used, l2=l2 or L2Status(capacity=GiB)))
 
     def expect(self, kind, timeout: float = 10.0, where=lambda m: True):
         deadline = time.monotonic() + timeout
@@ -126,8 +134,8 @@ def make_controller(tmp_path, context):
     made = []
 
     def make(agents=("a",), replicas: int = 2, demand_interval: float = 10.0, scheduler: dict | None = None,
-             model: dict | None = None):
-        site = make_site(tmp_path, replicas, scheduler, model)
+             model: dict | None = None, more_models: list[dict] = ()):
+        site = make_site(tmp_path, replicas, scheduler, model, more_models)
         router = FakeRouter()
         controller = Controller(site, router, context=context, expected_agents=list(agents), placement_grace=5.0,
                                 demand_interval=demand_interval).start()
@@ -387,3 +395,70 @@ def test_requests_waiting_in_the_router_are_demand_even_with_no_replica(tmp_path
     policy = AutoscalePolicy.from_site(site)
     assert decide(idle, policy, ScalingHistory(), 0.0).target == 0
     assert decide(waiting, policy, ScalingHistory(), 0.0).target == 1
+
+
+# ---------------------------------------------------------------- OOM guard
+
+HIGH = "big-llama"  # a second model of the same size, kept longer (priority 90 against tiny-llama's 0)
+
+
+def oom_controller(make_controller, replicas: int, minimum: int, cooldown: float = 120.0):
+    """One CPU node with 8 GiB of host memory; tiny-llama (priority 0) and big-llama (priority 90), each with
+    `replicas` replicas serving, 1 GiB reserved each. The guard checks every tick, not every 5 s heartbeat."""
+    controller, router, (agent,) = make_controller(
+        replicas=replicas, scheduler={"cooldown_period": cooldown}, model={"priority": 0, "min_replicas": minimum},
+        more_models=[{"model_name": HIGH, "replicas": replicas, "priority": 90, "min_replicas": minimum}])
+    controller.oom.interval = 0.05
+    agent.hello(host_total=8 * GiB)
+    rids = serve_all(agent, 2 * replicas)
+    return controller, router, agent, {rid: GiB for rid in rids}
+
+
+def test_oom_guard_drains_and_stops_the_lowest_priority_replica_and_its_node_takes_no_new_one(make_controller):
+    controller, router, agent, held = oom_controller(make_controller, replicas=2, minimum=2, cooldown=3.0)
+    agent.heartbeat(host_used=4 * GiB, reservations=held)  # half full: nothing to do
+    agent.quiet(StopReplica, 0.5)
+    assert controller.status()["oom"] == {"evictions": [], "unresolved": []} and router.drained == []
+
+    agent.heartbeat(host_used=int(7.9 * GiB), reservations=held)  # over 95 % in use: short by ~0.3 GiB
+    stop = agent.expect(StopReplica)
+    evicted = f"{MODEL}/r0001"  # lowest priority, newest of its model
+    assert stop.replica_id == evicted and router.drained == [evicted]  # out of routing, then stopped
+    (eviction,) = controller.status()["oom"]["evictions"]
+    assert (eviction["replica_id"], eviction["model"], eviction["node"], eviction["device"]) == (evicted, MODEL, "a", 0)
+    assert "a/0 short by" in eviction["reason"]
+    status = controller.status()
+    detail = {r["replica_id"]: r["detail"] for r in status["replicas"]}
+    assert detail[evicted].startswith("evicted by the OOM guard: a/0 short by")
+    assert status["agents"][0]["memory_closed"]
+
+    # Below its minimum, tiny-llama gets a fresh replica at once; the short node does not take it.
+    waiting = wait_for(lambda: next((r for r in controller.status()["replicas"]
+                                     if r["replica_id"] == f"{MODEL}/r0002" and r["node"] is None), None),
+                       what="a replacement waiting")
+    assert "short of device memory" in waiting["detail"]
+    # Still 7.9 GiB in use, but 1 GiB of it is the evicted replica on its way out: no second eviction.
+    agent.heartbeat(host_used=int(7.9 * GiB), reservations=held)
+    agent.quiet((StopReplica, StartReplica), 0.5)
+    assert all(not controller.replicas[f"{HIGH}/r{i:04d}"].stopping for i in range(2))
+
+    agent.send(ReplicaEvent(agent_id="a", replica_id=evicted, state="stopped"))
+    del held[evicted]
+    agent.heartbeat(host_used=3 * GiB, reservations=held)  # memory back to normal
+    start = agent.expect(StartReplica, timeout=6.0)  # once the node's hold (cooldown_period) is over
+    assert start.replica_id == f"{MODEL}/r0002"
+    assert not controller.status()["agents"][0]["memory_closed"]
+    assert len(controller.status()["oom"]["evictions"]) == 1  # kept after the record went
+
+
+def test_oom_guard_never_evicts_the_last_replica_of_a_model_and_warns_once(make_controller, caplog):
+    caplog.set_level(logging.WARNING, logger="exaserve.oom")
+    controller, router, agent, held = oom_controller(make_controller, replicas=1, minimum=1)
+    for _ in range(4):
+        agent.heartbeat(host_used=8 * GiB, reservations=held)  # full, and each model has one replica
+        time.sleep(0.15)
+    agent.quiet(StopReplica, 0.3)
+    assert router.drained == [] and controller.status()["oom"]["evictions"] == []
+    (line,) = controller.status()["oom"]["unresolved"]
+    assert line.startswith("a/0 still short by") and f"last of {HIGH}, {MODEL}" in line
+    assert [r.getMessage() for r in caplog.records if "still short" in r.getMessage()] == [f"OOM guard: {line}"]

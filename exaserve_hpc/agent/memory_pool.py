@@ -121,7 +121,8 @@ class MemoryPool:
         return MemoryPoolStatus(block_size=self.block_size,
                                 total=[b * self.block_size for b in self.total_blocks],
                                 free=[b * self.block_size for b in self.free_blocks],
-                                reservations={r.replica_id: r.nbytes for r in self.reservations.values()})
+                                reservations={r.replica_id: r.nbytes for r in self.reservations.values()},
+                                devices={r.replica_id: list(r.devices) for r in self.reservations.values()})
 
     def _check(self) -> None:
         for d in range(self.device_count):

@@ -15,9 +15,10 @@ replica in the router first (no new requests), then asks its agent to stop
 it (it finishes what it holds, then exits); the record goes once it reports
 stopped.
 
-Parts of it live in their own modules: rollouts (rollout_control.py) and
-load failover with L2 prefetch (weight_control.py), both run on its thread;
-and the `status()` dict (controller_status.py).
+Parts of it live in their own modules: rollouts (rollout_control.py), load
+failover with L2 prefetch (weight_control.py) and the OOM guard's evictions
+(oom_control.py), all run on its thread; and the `status()` dict
+(controller_status.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .fleet_state import (  # noqa: F401 (AgentRecord, ReplicaRecord, assign_rep
     AgentRecord, ReplicaRecord, assign_replicas, desired_replicas, fresh_replica_ids, model_loads,
     pick_for_removal, unplaced_reason,
 )
+from .oom_control import OomControl
 from .rollout_control import RolloutFleet
 from .weight_control import WeightControl
 
@@ -96,6 +98,7 @@ class Controller:
         self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
         self.rollouts = RolloutFleet(self)  # model versions: what a rollout starts and stops (rollout_control.py)
         self.weights = WeightControl(self)  # load failover and L2 prefetch (weight_control.py)
+        self.oom = OomControl(self)  # evictions when device memory runs short (oom_control.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -176,8 +179,7 @@ class Controller:
         if isinstance(message, AgentHello):
             log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
                      len(message.gpus))
-            self.agents[agent_id] = AgentRecord(agent_id, message.hostname, message.pid, now, len(message.gpus),
-                                                message.host_memory_total, memory=message.memory, l2=message.l2)
+            self.agents[agent_id] = AgentRecord.from_hello(agent_id, message, now)
             self._place(now)
             return
         agent = self.agents.get(agent_id)
@@ -189,8 +191,7 @@ class Controller:
             agent.lost = False
         if isinstance(message, AgentHeartbeat):
             self._send(agent_id, HeartbeatAck(seq=message.seq))  # the agent's proof that we are alive
-            agent.host_memory_used = message.host_memory_used
-            agent.memory, agent.l2 = message.memory, message.l2
+            agent.on_heartbeat(message, now)
             for status in message.replicas:
                 record = self.replicas.get(status.replica_id)
                 if record is not None and record.agent_id == agent_id:
@@ -262,6 +263,7 @@ class Controller:
                     self._start(record)
             self._autoscale(now)
             self.rollouts.tick()
+            self.oom.tick(now)
             self._place(now)
             if now >= self._next_demand_sample:
                 self._next_demand_sample = now + self.demand_interval
@@ -333,17 +335,18 @@ class Controller:
         if self.expected_agents - set(self.agents) and now < self._placement_opens:
             return  # still waiting for agents the bootstrap announced
         live = [a.agent_id for a in self.agents.values() if not a.lost]
+        closed = [a.agent_id for a in self.agents.values() if not a.lost and a.memory_closed]
         current = {rid: r.agent_id for rid, r in self.replicas.items()}
         max_per_node = self.site.scheduler.max_replicas_per_node
         wanted = assign_replicas([(rid, r.model) for rid, r in self.replicas.items()], live, current,
-                                 max_per_node, self.preferred)
+                                 max_per_node, self.preferred, closed)
         for rid, agent_id in wanted.items():
             record = self.replicas[rid]
             if agent_id is not None and record.agent_id is None:
                 record.agent_id = agent_id
                 self._start(record)
             elif agent_id is None and record.state is ReplicaState.PENDING:
-                record.detail = unplaced_reason(len(live), max_per_node)
+                record.detail = unplaced_reason(len(live), max_per_node, len(closed))
 
     def _spec(self, record: ReplicaRecord) -> StartReplica:
         model = self.site.model(record.model)

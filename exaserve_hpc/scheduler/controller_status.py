@@ -1,9 +1,10 @@
 """What `Controller.status()` returns: the fleet as the gateway's /status and `exaserve status` show it.
 
 One plain dict, safe to serialise as JSON: the controller's endpoints, each agent (alive or lost, heartbeat
-age, host memory, L2 contents), each replica (state, node, queue, restarts, load progress), each model
-(replicas serving and wanted, the autoscaler's latest decision and last scaling), the router's counters,
-and the checkpoint this run was restored from (a requeued job). It is read from any thread; the controller's
+age, host memory, L2 contents, closed to placement for memory), each replica (state, node, queue, restarts,
+load progress), each model (replicas serving and wanted, the autoscaler's latest decision and last
+scaling), the OOM guard's recent evictions and unresolved shortages, the router's counters, and the
+checkpoint this run was restored from (a requeued job). It is read from any thread; the controller's
 lock is held while the fleet is read, so a reader never sees a half-applied update.
 """
 
@@ -37,6 +38,7 @@ def controller_status(ctl: "Controller") -> dict:
                  "lost_since": (round(time.time() - (ctl.clock() - ctl.lost_at[a.agent_id]), 3)
                                 if a.lost and a.agent_id in ctl.lost_at else None),
                  "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
+                 "memory_closed": a.memory_closed or None,
                  "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
                          "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
                 for a in ctl.agents.values()
@@ -53,6 +55,7 @@ def controller_status(ctl: "Controller") -> dict:
                 for r in ctl.replicas.values()
             ],
             "models": models_summary(ctl),
+            "oom": {"evictions": list(ctl.oom.evictions), "unresolved": list(ctl.oom.unresolved)},
             "router": {k: v for k, v in ctl.router.snapshot().items() if k != "replicas"},
             "restored": restored_summary(ctl.restored),
         }

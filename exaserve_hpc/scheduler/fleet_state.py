@@ -16,7 +16,7 @@ from typing import Optional
 from ..agent.lifecycle import ReplicaState
 from ..agent.load_failover import NodeView
 from ..config import SiteConfig
-from ..protocol import L2Status, MemoryPoolStatus
+from ..protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
 from .autoscale import ModelLoad
 from .plan import replica_id, replica_index
 
@@ -34,9 +34,27 @@ class AgentRecord:
     memory: Optional[MemoryPoolStatus] = None  # the node's memory pool, from its last heartbeat
     l2: Optional[L2Status] = None  # the node's L2 weight cache, from its last heartbeat
     prefetch_sent: dict[str, float] = field(default_factory=dict)  # model -> clock() of our last Prefetch
+    gpu_telemetry: list[GpuInfo] = field(default_factory=list)  # latest NVML reading (not every heartbeat has one)
+    telemetry_at: float = 0.0  # clock() of the latest memory reading (GPU telemetry, or host memory on a CPU node)
+    memory_closed: str = ""  # why placement skips this node (short of memory, oom_control.py); "" = open
+
+    @classmethod
+    def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":
+        return cls(agent_id, hello.hostname, hello.pid, now, len(hello.gpus), hello.host_memory_total,
+                   memory=hello.memory, l2=hello.l2, gpu_telemetry=list(hello.gpus),
+                   telemetry_at=now if hello.gpus else 0.0)
+
+    def on_heartbeat(self, beat: AgentHeartbeat, now: float) -> None:
+        """Copy the heartbeat's telemetry; agents send NVML readings only every few beats, so keep the last."""
+        self.host_memory_used = beat.host_memory_used
+        self.memory, self.l2 = beat.memory, beat.l2
+        if beat.gpus:
+            self.gpu_telemetry = list(beat.gpus)
+        if beat.gpus or not self.gpus:
+            self.telemetry_at = now
 
     def view(self, replicas: int) -> NodeView:
-        free = self.memory.free if self.memory is not None else []
+        free = self.memory.free if self.memory is not None and not self.memory_closed else []
         entries = self.l2.entries if self.l2 is not None else []
         ready = frozenset(e.model for e in entries if e.state == "ready")
         return NodeView(self.agent_id, replicas, max(free) if free else 0, ready)
@@ -78,13 +96,14 @@ def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
 
 
 def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current: dict[str, Optional[str]],
-                    max_per_node: int, preferred: Optional[dict[str, str]] = None) -> dict[str, Optional[str]]:
+                    max_per_node: int, preferred: Optional[dict[str, str]] = None,
+                    closed: Iterable[str] = ()) -> dict[str, Optional[str]]:
     """Give every replica without a live agent the live agent with the fewest replicas.
 
     Pure: `current` maps replica id -> agent id (None: unassigned or its agent was lost).
     `preferred` (replica id -> agent id, e.g. the placement restored from a checkpoint) is honoured
-    first where that agent is live and has room. Replicas that fit nowhere stay None. Ties go to
-    the agent listed first.
+    first where that agent is live and has room. `closed` agents (short of memory) keep the replicas
+    they hold but get no new one. Replicas that fit nowhere stay None. Ties go to the agent listed first.
     """
     result = {rid: (agent if agent in agents else None) for rid, agent in current.items()}
     for rid, _ in replicas:
@@ -93,15 +112,17 @@ def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current:
     for agent in result.values():
         if agent is not None:
             counts[agent] += 1
+    closed_set = set(closed)
+    open_agents = [a for a in agents if a not in closed_set]
     for rid, _ in replicas:
         agent = (preferred or {}).get(rid)
-        if result[rid] is None and agent in counts and counts[agent] < max_per_node:
+        if result[rid] is None and agent in counts and agent not in closed_set and counts[agent] < max_per_node:
             result[rid] = agent
             counts[agent] += 1
     for rid, _ in replicas:
-        if result[rid] is not None or not agents:
+        if result[rid] is not None or not open_agents:
             continue
-        agent = min(agents, key=lambda a: (counts[a], agents.index(a)))
+        agent = min(open_agents, key=lambda a: (counts[a], open_agents.index(a)))
         if counts[agent] >= max_per_node:
             continue
         result[rid] = agent
@@ -151,8 +172,11 @@ def pick_for_removal(records: Iterable[ReplicaRecord], routed: Mapping[str, dict
     return [r.replica_id for r in ranked[:max(0, count)]]
 
 
-def unplaced_reason(live_agents: int, max_per_node: int) -> str:
+def unplaced_reason(live_agents: int, max_per_node: int, closed: int = 0) -> str:
     if not live_agents:
         return "not placed: no live node agent"
+    if closed:
+        return (f"not placed: {closed} of {live_agents} live node(s) short of device memory (OOM guard), "
+                f"the others hold max_replicas_per_node ({max_per_node}); waits for room")
     return (f"not placed: all {live_agents} live node(s) hold max_replicas_per_node ({max_per_node}); "
             "waits for room")
