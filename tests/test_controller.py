@@ -163,7 +163,7 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
 
 
 def test_start_carries_engine_settings_and_heartbeat_load_progress_reaches_status(make_controller):
-    controller, _, (agent,) = make_controller(replicas=1)
+    controller, _, (agent,) = make_controller(replicas=1, model={"tensor_parallel": 2})
     l2 = L2Status(capacity=GiB, used=4096, entries=[L2EntryStatus(model=MODEL, nbytes=4096, state="filling")])
     agent.hello(l2=l2)
     start = agent.expect(StartReplica)
@@ -172,6 +172,7 @@ def test_start_carries_engine_settings_and_heartbeat_load_progress_reaches_statu
     assert (s.enable_prefix_caching, s.kv_cache_dtype, s.chunked_prefill, s.prefill_chunk_tokens) == \
         (False, "fp8", False, 128)
     assert (start.coalesce_ms, start.coalesce_tokens) == (7.0, 5)  # router.coalesce_* reach the replica
+    assert start.devices == 2  # the model's tensor_parallel: devices reserved on one node
 
     agent.heartbeat([ReplicaStatus(replica_id=start.replica_id, model=MODEL, state="loading", pid=0,
                                    load_progress=0.25, load_bytes_done=1024, load_bytes_total=4096,

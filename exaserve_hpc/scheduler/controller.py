@@ -362,7 +362,8 @@ class Controller:
                             router_backend=self.router.backend_endpoint,
                             settings=settings, stats_interval=self.site.router.replica_heartbeat,
                             coalesce_ms=self.site.router.coalesce_ms,
-                            coalesce_tokens=self.site.router.coalesce_tokens)
+                            coalesce_tokens=self.site.router.coalesce_tokens,
+                            devices=model.tensor_parallel)  # tensor parallel stays on one node's devices
 
     def _start(self, record: ReplicaRecord) -> None:
         spec = self._spec(record)
