@@ -216,6 +216,17 @@ class PrefixIndex:
             level -= step
         return [(r, lvl if lvl >= depth - 1 else self._depth_of(r, hashes, lvl, depth)) for r, lvl in found.items()]
 
+    def held(self, replica_id: str, hashes: Sequence[int], deepest: int) -> int:
+        """Leading blocks of ``hashes`` (at most ``deepest``) this replica holds: one lookup when it
+        lacks even the first block, else a binary search (a replica's entries are prefix-closed)."""
+        epoch = self._epoch.get(replica_id)
+        if epoch is None or deepest < 1:
+            return 0
+        holders = self._young.get(hashes[0]) or self._old.get(hashes[0])
+        if not holders or holders.get(replica_id) != epoch:
+            return 0
+        return self._depth_of(replica_id, hashes, 1, deepest)
+
     def _depth_of(self, replica_id: str, hashes: Sequence[int], lo: int, hi: int) -> int:
         """Deepest level in [lo, hi] where replica_id holds the block, knowing it holds level lo."""
         epoch = self._epoch.get(replica_id)

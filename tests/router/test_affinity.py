@@ -161,3 +161,36 @@ def test_the_dispatcher_routes_and_records_by_the_gateways_hashes():
                                                  prefix_hashes=given, prefix_scheme=p.hasher.scheme), 0.0)
     assert p.index.holders(given[-1]) == [out.peer.decode()]
     assert p.index.holders(p.routing_key(tokens).block_hashes[-1]) == []
+
+
+def test_a_short_prompt_waits_less_beside_one_long_prefill_than_beside_several():
+    # Chunked prefill computes a chunk of every prompt in prefill each step: a queued prompt delays
+    # a new one by at most the new one's own work, so one 60,000-token prefill costs a short prompt
+    # less than four 3,000-token ones; a long prompt still waits for all of the short ones.
+    p = policy()
+    one_long = ReplicaLoad("r0", "m", 1, 32, prefill_tokens=60_000)
+    several = ReplicaLoad("r1", "m", 4, 32, prefill_tokens=12_000)
+    assert p.cost(one_long, 500, 0.0) < p.cost(several, 500, 0.0)
+    assert p.cost(one_long, 50_000, 0.0) > p.cost(several, 50_000, 0.0)
+    s = p.settings
+    assert p.cost(several, 50_000, 0.0) == (12_000 + 50_000 + s.base_tokens) * (1 + 4 * s.decode_share)
+    pool = ReplicaPool()
+    pool.add(one_long)
+    pool.add(several)
+    assert route(p, pool, key=p.routing_key(prompt(1, 30))).replica_id == "r0"
+
+
+def test_a_drawn_replica_that_holds_part_of_the_prefix_is_credited_with_it():
+    p, pool = policy(matches=1), pool_of(2, batch=8)  # both replicas are drawn; one match is looked up
+    key = p.routing_key(prompt(1, 12))
+    p.index.record("r1", p.routing_key(prompt(1, 8)).block_hashes)
+    p.index.record("r0", key.block_hashes)  # the newest holder: the one `match` returns
+    pool.get("r0").outstanding = 12  # beyond its batch
+    d = route(p, pool, key=key)
+    assert (d.replica_id, d.matched_blocks, d.reason) == ("r1", 8, "affinity")
+    assert dict(p.index.match(key.block_hashes, limit=2)) == {"r0": 12, "r1": 12}  # now holds all of it
+    assert p._held("r9", key.block_hashes, 12) == 0  # never seen by the index
+    p.forget("r1")  # its cache is gone: no credit
+    pool.get("r1").outstanding = 1
+    d = route(p, pool, key=key)
+    assert (d.replica_id, d.matched_blocks, d.reason) == ("r1", 0, "spill")

@@ -88,3 +88,15 @@ def test_match_work_is_bounded_when_every_replica_holds_the_prefix():
         index.record(f"r{i}", [1, 2])
     found = index.match([1, 2], limit=4)
     assert len(found) == 4 and all(depth == 2 for _, depth in found)
+
+
+def test_held_is_the_depth_one_replica_holds_and_forgetting_clears_it():
+    index = PrefixIndex(max_blocks=1000)
+    hashes = list(range(100, 110))
+    index.record("a", hashes[:7])
+    index.record("b", hashes[:3])
+    assert [index.held(r, hashes, 10) for r in ("a", "b", "c")] == [7, 3, 0]
+    assert index.held("a", hashes, 5) == 5  # capped at `deepest`
+    assert index.held("a", [999] + hashes[1:], 10) == 0  # another first block: another prefix
+    index.forget("a")
+    assert index.held("a", hashes, 10) == 0
