@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,36 +195,113 @@ def make_curve_keys(jobdir: JobDir) -> CurveKeys:
     return keys
 
 
-def load_client_keys(jobdir: JobDir, server_public: str) -> CurveKeys:
+def load_client_keys(jobdir: JobDir, server_public: str = "") -> CurveKeys:
+    """The job's client keys, for the server key published in controller.json (default: keys/server.pub)."""
     keys = jobdir.path / "keys"
     try:
-        return CurveKeys(server_public.encode(), b"", (keys / "client.pub").read_bytes(),
-                         (keys / "client.key").read_bytes())
+        return CurveKeys(server_public.encode() or (keys / "server.pub").read_bytes(), b"",
+                         (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
     except OSError as exc:
         raise BootstrapError(f"the controller publishes a CURVE key but the client keys in {keys} cannot be read "
                              f"({exc.strerror}); the job directory must be shared by every node") from exc
 
 
-def secure_server(sock, keys: CurveKeys, context) -> Any:
-    """Make a ROUTER a CURVE server that accepts only the job's client key; returns the authenticator."""
-    from zmq.auth.thread import ThreadAuthenticator
-    auth = ThreadAuthenticator(context)
-    auth.start()
-    auth.configure_curve(domain="*", location=_public_key_dir(keys))
+CURVE_JOB_DIR_VARIABLE = "EXASERVE_CURVE_JOB_DIR"  # set by the node agent for its replica processes
+
+
+def replica_client_keys(env: Mapping[str, str]) -> Optional[CurveKeys]:
+    """A replica process's keys for the router backend, read from the job directory its agent names.
+
+    The variable carries a path, never a key: the command line (the StartReplica spec) is readable
+    by every user of the node, and the files in the job directory only by ours. None: no CURVE.
+    """
+    path = env.get(CURVE_JOB_DIR_VARIABLE)
+    return load_client_keys(JobDir(Path(path))) if path else None
+
+
+def secure_server(sock, keys: CurveKeys, context, name: str = "controller") -> "ZapLease":
+    """Make a socket, before it binds, a CURVE server that admits only the job's client key.
+
+    Returns a lease on the context's ZAP authenticator: stop() it once the socket is closed. `name`
+    (the socket's role) appears in the line logged when a client is refused.
+    """
+    import zmq
+    domain = f"{name}/{keys.server_public.decode()}"
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.curve_server = True
-    return auth
+    sock.zap_domain = domain.encode()
+    try:
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler running: refuse, not admit any key
+    except (AttributeError, zmq.ZMQError):  # libzmq < 4.3: the authenticator (running before bind) still checks
+        pass
+    return ZapLease.take(context, domain, name, keys.client_public)
 
 
-def _public_key_dir(keys: CurveKeys) -> str:
-    """zmq.auth reads allowed client keys from *.key files in ZPL format; give it one for our client."""
-    import tempfile
-    directory = tempfile.mkdtemp(prefix="exaserve-curve-")
-    with open(os.path.join(directory, "client.key"), "w") as f:
-        f.write(f'metadata\ncurve\n    public-key = "{keys.client_public.decode()}"\n')
-    os.chmod(directory, 0o700)
-    return directory
+class ClientKeyCheck:
+    """ZAP credentials for one domain: admits the job's client key; logs each refused key once."""
+    MAX_LOGGED = 1000  # refused keys remembered, so a peer trying many keys cannot grow this without bound
+
+    def __init__(self, name: str, client_public: bytes):
+        self.name = name
+        self.client_public = client_public
+        self.refused: set[bytes] = set()
+        self.leases = 0
+
+    def callback(self, domain: str, client_key: bytes) -> bool:  # Z85 key, on the authenticator's thread
+        if client_key == self.client_public:
+            return True
+        if client_key not in self.refused and len(self.refused) < self.MAX_LOGGED:
+            self.refused.add(client_key)
+            log.warning("%s: refused a CURVE client whose key %s is not this job's; it is not served "
+                        "(logged once per key)", self.name, client_key.decode(errors="replace"))
+        return False
+
+
+class ZapLease:
+    """A CURVE server socket's share of its context's one ZAP authenticator.
+
+    libzmq asks for ZAP at one inproc endpoint per context, so a second ThreadAuthenticator in a
+    context cannot start (EADDRINUSE): the controller and the router sockets, all in
+    zmq.Context.instance() under `exaserve launch`, share one. Each socket's ZAP domain names its
+    role and key set; the authenticator stops when the last lease does.
+    """
+    _lock = threading.Lock()
+    _by_context: dict[Any, tuple[Any, dict[str, ClientKeyCheck]]] = {}  # context -> (authenticator, checks)
+
+    def __init__(self, context, domain: str):
+        self.context = context
+        self.domain = domain
+        self.stopped = False
+
+    @classmethod
+    def take(cls, context, domain: str, name: str, client_public: bytes) -> "ZapLease":
+        from zmq.auth.thread import ThreadAuthenticator
+        with cls._lock:
+            if context not in cls._by_context:
+                auth = ThreadAuthenticator(context)
+                auth.start()
+                cls._by_context[context] = (auth, {})
+            auth, checks = cls._by_context[context]
+            if domain not in checks:
+                checks[domain] = ClientKeyCheck(name, client_public)
+                auth.configure_curve_callback(domain=domain, credentials_provider=checks[domain])
+            checks[domain].leases += 1
+            return cls(context, domain)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.stopped:
+                return
+            self.stopped = True
+            auth, checks = self._by_context[self.context]
+            checks[self.domain].leases -= 1
+            if checks[self.domain].leases == 0:
+                del checks[self.domain]
+                auth.credentials_providers.pop(self.domain, None)
+            if not checks:
+                del self._by_context[self.context]
+                auth.stop()
 
 
 def secure_client(sock, keys: CurveKeys) -> None:

@@ -121,10 +121,12 @@ def dispatch_settings(site: SiteConfig) -> DispatchSettings:
                             breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
 
 
-def build_router(site: SiteConfig, across_nodes: bool = False) -> ZmqRouter:
+def build_router(site: SiteConfig, across_nodes: bool = False, curve=None) -> ZmqRouter:
+    """The site's router. `across_nodes`: a job's router (every interface by default); `curve`: the
+    job's keys (bootstrap.CurveKeys), making frontend and backend CURVE servers that admit only its client."""
     r = site.router
     dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
-    return ZmqRouter(dispatcher, r.bind_host(across_nodes), r.frontend_port, r.backend_port).start()
+    return ZmqRouter(dispatcher, r.bind_host(across_nodes), r.frontend_port, r.backend_port, curve=curve).start()
 
 
 def gateway_server(app, **config):

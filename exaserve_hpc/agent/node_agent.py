@@ -90,8 +90,9 @@ class NodeAgent:
                  hostname: Optional[str] = None, *, l2_capacity: int = DEFAULT_L2_CAPACITY,
                  l2_root: Optional[str] = None, pool_bytes: Optional[int] = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, keep_l2: bool = False, load_retries: int = 3,
-                 controller_timeout: float = 0.0):
+                 controller_timeout: float = 0.0, replica_env: Optional[dict[str, str]] = None):
         self.controller = controller
+        self.replica_env = replica_env or {}  # added to every replica process's environment
         self.agent_id = agent_id
         self.hostname = hostname or pysocket.gethostname()
         self.node_index = node_index
@@ -290,7 +291,7 @@ class NodeAgent:
 
     def _spawn(self, slot: ReplicaSlot, weights_dir: str, source: str) -> None:
         try:
-            spawn(slot, self.hostname, weights_dir, source)
+            spawn(slot, self.hostname, weights_dir, source, self.replica_env)
         except OSError as exc:
             self._fail(slot, f"cannot start the replica process: {exc}")
             return

@@ -9,8 +9,9 @@ spec.model_dir from L3 with checksums. Steps, each reported to the agent:
 loading (weights L2 -> L1, with "progress <done> <total>" lines) ->
 initializing (the engine over those weights) -> warming (a real inference,
 output checked) -> registering (DEALER, identity = replica id, to the router
-backend; hello) -> serving (receive requests -> engine.step() -> token
-chunks). State lines on --status-fd: "<state> <seconds in previous state> <detail>".
+backend, a CURVE client when the agent names the job directory in
+$EXASERVE_CURVE_JOB_DIR; hello) -> serving (receive requests -> engine.step()
+-> token chunks). State lines on --status-fd: "<state> <seconds in previous state> <detail>".
 
 SIGTERM drains: no new requests, in-flight ones finish (bounded by the drain
 timeout), then the replica says bye and exits 0.
@@ -39,6 +40,7 @@ from ..protocol import (
     Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
     StartReplica, TokenChunk, decode, encode, receive_pending,
 )
+from ..bootstrap import replica_client_keys, secure_client
 from ..cache.tiers import load_weights
 from . import faults
 from .lifecycle import ReplicaState
@@ -341,6 +343,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, spec.replica_id.encode())
         socket.setsockopt(zmq.LINGER, 2000)
+        keys = replica_client_keys(os.environ)  # under `exaserve launch` the router admits only the job's key
+        if keys is not None:
+            secure_client(socket, keys)
         socket.connect(spec.router_backend)
         socket.send(encode(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
                                         max_batch_size=spec.settings.max_batch_size,

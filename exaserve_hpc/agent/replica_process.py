@@ -73,8 +73,9 @@ class ReplicaSlot:
                              load_bytes_total=self.l3_total + self.l1_total, load_source=self.load_source)
 
 
-def replica_env() -> dict[str, str]:
-    """The replica's environment: one BLAS thread each unless the operator chose otherwise.
+def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The replica's environment: one BLAS thread each unless the operator chose otherwise, plus
+    what the agent adds (`extra`: under `exaserve launch`, where the job's CURVE keys are).
 
     Several replicas share a node's cores; OpenBLAS threads that spin waiting
     for work make every replica's steps many times slower under contention.
@@ -82,10 +83,11 @@ def replica_env() -> dict[str, str]:
     env = dict(os.environ)
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(name, "1")
-    return env
+    return {**env, **(extra or {})}
 
 
-def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str) -> None:
+def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str,
+          extra_env: Optional[dict[str, str]] = None) -> None:
     """Start the replica process; it reports on a pipe the agent reads without blocking."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -94,7 +96,8 @@ def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str) -> None:
     if weights_dir:
         command += ["--weights-dir", weights_dir, "--weights-source", source]
     try:
-        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=replica_env())
+        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
+                                        env=replica_env(extra_env))
     finally:
         os.close(write_fd)
     slot.status_fd = read_fd

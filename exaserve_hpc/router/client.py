@@ -3,7 +3,8 @@
 One asyncio task reads every reply and hands it to the queue of the request
 it belongs to; `stream()` sends a GenerateRequest and yields that request's
 chunks. Closing the stream early (client gone, stop string matched) sends an
-Abort so the replica stops spending work on it.
+Abort so the replica stops spending work on it. With `curve` (the job's
+bootstrap.CurveKeys) the socket is a CURVE client of the router's frontend.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ log = logging.getLogger(__name__)
 class RouterClient:
     def __init__(self, endpoint: str, models: list[ModelInfo],
                  status: Callable[[], dict] = dict, ready: Callable[[], bool] = lambda: True,
-                 reply_timeout: float = 600.0):
+                 reply_timeout: float = 600.0, curve=None):
         self.endpoint = endpoint
+        self.curve = curve
         self._models = models
         self._status = status
         self._ready = ready
@@ -80,6 +82,9 @@ class RouterClient:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            from ..bootstrap import secure_client
+            secure_client(self._socket, self.curve)
         self._socket.connect(self.endpoint)
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
 

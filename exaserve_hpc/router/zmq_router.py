@@ -6,6 +6,13 @@ kv events (SUB, connects): to each replica whose hello names a KV-event
   endpoint (engine/kv_events.py), for precise prefix routing; a gap in a
   replica's sequence numbers makes the router forget what it knew of it.
 
+With `curve` (bootstrap.CurveKeys, under `exaserve launch`) frontend and
+backend are CURVE servers that admit only the job's client key (ZAP): the
+router listens on every interface there, and a stranger must neither register
+as a replica (and read prompts) nor send requests past the gateway's API keys.
+The KV-event SUB stays plain: it carries block hashes and sequence numbers,
+not prompts, and it only connects to endpoints an admitted replica named.
+
 The thread polls both sockets with a short timeout, hands every decoded
 message to the transport-free `Dispatcher`, sends what it returns, and runs
 `Dispatcher.tick` for expiries (Paranoid Pirate style). Other threads talk to
@@ -61,7 +68,7 @@ def bind(socket: zmq.Socket, host: str, port: int) -> str:
 class ZmqRouter:
     def __init__(self, dispatcher: Dispatcher, host: str = "127.0.0.1", frontend_port: int = 0,
                  backend_port: int = 0, context: Optional[zmq.Context] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, curve=None):
         self.dispatcher = dispatcher
         self.clock = clock
         self.context = context or zmq.Context.instance()
@@ -70,6 +77,11 @@ class ZmqRouter:
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises instead of vanishing
+        self._zap = []  # leases on the context's ZAP authenticator, stopped after the sockets close
+        if curve is not None:
+            from ..bootstrap import secure_server
+            self._zap = [secure_server(self.frontend, curve, self.context, "router frontend"),
+                         secure_server(self.backend, curve, self.context, "router backend")]
         self.frontend_endpoint = bind(self.frontend, host, frontend_port)
         self.backend_endpoint = bind(self.backend, host, backend_port)
         self._calls: "queue.Queue[tuple[Callable[[], object], Future]]" = queue.Queue()
@@ -95,6 +107,8 @@ class ZmqRouter:
         for sock in (self.frontend, self.backend, self.kv_events):
             if sock is not None:
                 sock.close(linger=0)
+        for lease in self._zap:
+            lease.stop()
 
     # ---------------------------------------------------------------- other threads
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..bootstrap import (
-    BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available, detect_rank,
-    exchange_inventories, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
+    CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available,
+    detect_rank, exchange_inventories, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
     wait_for_controller, _mpi_comm,
 )
 from ..config import SiteConfig, load_site, resolve_site
@@ -53,12 +53,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run as a replacement node: join the controller published in --job-dir as an agent")
 
 
-def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
+def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, jobdir: JobDir, keys=None):
+    """This node's agent; with keys, it and its replica processes (which read the keys from the job
+    directory the agent names to them) are CURVE clients of the controller and the router backend."""
     from ..agent.node_agent import NodeAgent, default_l2_root
     agent = NodeAgent(endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
                       l2_capacity=site.weight_cache.l2_capacity,
                       l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
-                      controller_timeout=site.heartbeat.controller_timeout)
+                      controller_timeout=site.heartbeat.controller_timeout,
+                      replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys is not None else None)
     if keys is not None:
         secure_client(agent.socket, keys)
     return agent
@@ -66,7 +69,7 @@ def _make_agent(endpoint: str, rank: RankInfo, site: SiteConfig, keys=None):
 
 def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories: list[NodeInventory],
                    args: argparse.Namespace, comm=None) -> int:
-    from ..launch import gateway_server, build_router, ensure_checkpoints, listen_socket, write_state
+    from ..launch import build_router, ensure_checkpoints, gateway_server, listen_socket, write_state
     from ..router.admin_api import serving_admin_routes
     from ..router.backend import ModelInfo
     from ..router.client import RouterClient
@@ -78,12 +81,12 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
         if curve_available():
             keys = make_curve_keys(jobdir)
         else:
-            log.warning("this libzmq has no CURVE support: the control plane runs unauthenticated")
+            log.warning("this libzmq has no CURVE support: the control plane and the router run unauthenticated")
     ensure_checkpoints(site, show_progress=False)
     host = args.host or site.gateway.host
     listener = listen_socket(host, site.gateway.port if args.port is None else args.port)
     url = f"http://{host}:{listener.getsockname()[1]}"
-    router = build_router(site, across_nodes=True)
+    router = build_router(site, across_nodes=True, curve=keys)  # with keys: CURVE servers, job key only
     nodes = [inv.node for inv in inventories]
     controller = Controller(site, router, host=site.router.bind_host(across_nodes=True), curve=keys,
                             expected_agents=nodes,
@@ -92,7 +95,7 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     controller.start()
     requeuer = start_requeuer(controller, rank, jobdir, nodes, args)
     endpoint = controller.endpoint  # published under this node's name when bound to every interface
-    own_agent = _make_agent(controller.endpoint, rank, site, keys)
+    own_agent = _make_agent(controller.endpoint, rank, site, jobdir, keys)
     agent_thread = threading.Thread(target=own_agent.run, name="exaserve-agent-rank0", daemon=True)
     agent_thread.start()
     publish_controller(rank, jobdir, ControllerInfo(
@@ -105,7 +108,7 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
-                          ready=lambda: controller.serving_count() > 0)
+                          ready=lambda: controller.serving_count() > 0, curve=keys)
     app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller))
     server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
@@ -193,7 +196,7 @@ def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> in
 def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
     """This node's agent, connected to the published controller (with its CURVE key when it has one)."""
     keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
-    agent = _make_agent(info.endpoint, rank, site, keys)
+    agent = _make_agent(info.endpoint, rank, site, jobdir, keys)
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every task; the controller orders the stop
     print(f"exaserve: {joined}", flush=True)
