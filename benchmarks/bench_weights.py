@@ -17,7 +17,7 @@ written with the tiny-checkpoint creator and a real manifest):
   ratio is also given per round (copy / raw read of the same round).
 - L2 -> L1: load_from_l2 (shared memory -> private numpy arrays), against a
   raw memcpy of the same bytes from the same mappings into fresh arrays, on
-  each L2 kind.
+  each L2 kind, rounds interleaved.
 - Replica cold start through a real node agent: L3 miss (cold page cache)
   vs L2 hit, time from StartReplica to "serving".
 Medians over --rounds, min and max alongside. Files are removed at the end.
@@ -170,7 +170,7 @@ class Controller:
         self.socket.send_multipart([self.peer, encode(StartReplica(
             replica_id=replica_id, model="bench", model_dir=str(ckpt), router_backend=self.backend,
             settings=EngineSettings(engine="reference", max_batch_size=1, max_seq_len=64)))])
-        steps = {}
+        steps, previous = {}, ""
         while True:
             event = self._wait(lambda m: isinstance(m, ReplicaEvent) and m.replica_id == replica_id)
             if steps or event.state != "reserving":
@@ -278,11 +278,13 @@ def main() -> int:
         for kind, (where, pages) in kinds.items():
             l3_to_l2(ckpt, where)
             entry = where / "entry"
-            memcpy = line(f"raw memcpy of the same bytes, {pages}", total,
-                          measure(lambda: raw_memcpy(entry), args.rounds))
-            l1 = line(f"load_from_l2 (tensors -> private arrays), {pages}", total,
-                      measure(lambda: l2_to_l1(entry), args.rounds))
-            print(f"  => L2->L1 ({pages}) = {l1 / memcpy:.0%} of raw memcpy (target >= 80%)")
+            copies = interleaved({"memcpy": lambda: raw_memcpy(entry), "load": lambda: l2_to_l1(entry)},
+                                 args.rounds)
+            memcpy = line(f"raw memcpy of the same bytes, {pages}", total, copies["memcpy"])
+            l1 = line(f"load_from_l2 (tensors -> private arrays), {pages}", total, copies["load"])
+            paired = sorted(m / l for m, l in zip(copies["memcpy"], copies["load"]))
+            print(f"  => L2->L1 ({pages}) = {l1 / memcpy:.0%} of raw memcpy (target >= 80%); "
+                  f"per round {', '.join(f'{p:.0%}' for p in paired)}")
             shutil.rmtree(entry)
 
         l2_dir, pages = kinds["huge" if "huge" in kinds else "4k"]
