@@ -55,6 +55,13 @@ class HeartbeatConfig(_Section):
     # an agent that hears nothing from the controller this long stops its replicas and exits (0: never)
     controller_timeout: Duration = 60.0
 
+    @model_validator(mode="after")
+    def _timeout_outlasts_heartbeats(self) -> "HeartbeatConfig":
+        if self.controller_timeout and self.controller_timeout <= 2 * self.interval:
+            raise ValueError(f"controller_timeout ({self.controller_timeout:g}s) must be 0 (never) or more than "
+                             f"twice interval ({self.interval:g}s), or agents leave while their controller is fine")
+        return self
+
     @property
     def expiry(self) -> float:
         """Seconds of silence after which a peer is declared lost."""

@@ -108,7 +108,8 @@ def router_policy(site: SiteConfig):
     """The routing policy the site's router section asks for, with its prefix settings."""
     if site.router.policy == "prefix_affinity":
         from .router.affinity import AffinitySettings
-        return make_policy("prefix_affinity", settings=AffinitySettings.from_site(site.router))
+        return make_policy("prefix_affinity", settings=AffinitySettings.from_site(
+            site.router, site.batching.prefill_chunk_tokens))
     return make_policy(site.router.policy)
 
 
@@ -178,7 +179,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0)
-    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller))
+    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller, host))
     server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     state_file = write_state(run_dir, url, site)

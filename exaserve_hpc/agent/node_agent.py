@@ -129,6 +129,7 @@ class NodeAgent:
 
     def run(self) -> int:
         self.socket.connect(self.controller)
+        self.controller_heard = time.monotonic()  # the controller's silence counts from here
         gpus, why = read_gpus()
         if not gpus:
             log.info("%s", why)

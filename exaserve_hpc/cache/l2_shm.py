@@ -81,7 +81,7 @@ def l2_page_note(path: str | os.PathLike, mounts: str, shmem_enabled: str = "") 
     copy runs at ~50-75% of a raw read into 4 KiB pages and ~90% into a tmpfs
     mounted with ``huge=within_size``. Pure: tested on captured texts.
     """
-    target = os.path.abspath(path)
+    target = os.path.realpath(path)
     best: tuple[str, str, str] | None = None  # the deepest mount point holding path
     for line in mounts.splitlines():
         fields = line.split()
@@ -95,7 +95,8 @@ def l2_page_note(path: str | os.PathLike, mounts: str, shmem_enabled: str = "") 
         return None
     point, _, options = best
     huge = next((o.split("=", 1)[1] for o in options.split(",") if o.startswith("huge=")), "never")
-    if huge in ("always", "within_size", "advise") or "[force]" in shmem_enabled:
+    # `advise` gives huge pages only to madvise()d mappings, and L2 is filled by pwrite; `deny` turns them off
+    if "[deny]" not in shmem_enabled and (huge in ("always", "within_size") or "[force]" in shmem_enabled):
         return None
     return (f"L2 at {target} is on a tmpfs ({point}) without huge pages, so copies from the shared store "
             "into it run at about half speed; give L2 its own tmpfs with huge pages, e.g. "

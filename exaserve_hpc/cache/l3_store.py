@@ -147,7 +147,10 @@ class _Writer(_Stage):
         fd, _, buffer, *_ = item
         if buffer is None:
             self.open_fds.discard(fd)
-            os.close(fd)
+            try:
+                os.close(fd)  # tmpfs can report a failed write only here
+            except OSError as e:
+                self.error = self.error or e  # the thread must live on: the reader waits on `free`
         else:
             self.free.put(buffer)
 

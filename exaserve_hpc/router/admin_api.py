@@ -58,16 +58,17 @@ def router_apply(router) -> Apply:
     return lambda fn: router.call(lambda dispatcher: fn(dispatcher.rollouts))
 
 
-def serving_admin_routes(site, router, controller) -> APIRouter:
+def serving_admin_routes(site, router, controller, host: Optional[str] = None) -> APIRouter:
     """The rollout routes of a running deployment: the router's table, the controller's fleet, the site's key.
-    A version's checkpoint defaults to the one next to the model's (`rollout_control.version_dir`)."""
+    A version's checkpoint defaults to the one next to the model's (`rollout_control.version_dir`).
+    `host`: the address the gateway really listens on (a --host flag overrides the site's)."""
     from ..scheduler.rollout_control import version_dir
 
     def resolve_dir(model: str, version: str) -> Optional[str]:
         path = version_dir(site, model, version)
         return str(path) if path is not None else None
 
-    host = site.gateway.host
+    host = host or site.gateway.host
     local = host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
     return make_admin_router(router_apply(router), resolve_dir, admin_key=site.router.admin_key,
                              on_change=controller.rollouts.changed, models=[m.model_name for m in site.models],

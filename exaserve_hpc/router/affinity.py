@@ -62,9 +62,10 @@ class AffinitySettings:
     weights: WeightSettings = field(default_factory=lambda: WeightSettings(samples=4))
 
     @classmethod
-    def from_site(cls, router) -> "AffinitySettings":
-        """From a site config's router section (config.RouterConfig)."""
-        return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks)
+    def from_site(cls, router, prefill_chunk_tokens: int = 512) -> "AffinitySettings":
+        """From a site config's router section (config.RouterConfig) and its batching.prefill_chunk_tokens."""
+        return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks,
+                   prefill_chunk_tokens=prefill_chunk_tokens)
 
     def hasher(self) -> "FastBlockHasher | EngineBlockHasher":
         return prompt_hasher(self.mode, self.block_size, self.max_prompt_blocks)

@@ -225,8 +225,9 @@ class Dispatcher:
             entry.version_chosen = True
         if entry.version is not None:
             pool = self.version_pools.get((model, entry.version))
-            # The chosen version while one of its replicas can take the request; else any version
-            # (a canary whose replicas are all broken or already tried must not hold requests back).
+            # The chosen version while one of its replicas can take the request; else any version:
+            # a canary whose replicas are all broken or already tried must not hold requests back, and
+            # if the stable version's are, its requests may go to the canary rather than wait or fail.
             if pool and any(r.replica_id not in self.unavailable and r.replica_id not in entry.tried for r in pool):
                 return pool
         return self.pools.get(model) or ReplicaPool()

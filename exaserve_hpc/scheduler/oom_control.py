@@ -53,8 +53,10 @@ def reservation_devices(pool: MemoryPoolStatus) -> dict[str, tuple[int, ...]]:
 
 def fleet_plan(site: str, agents: Iterable[AgentRecord], replicas: Iterable[ReplicaRecord]
                ) -> tuple[Plan, dict[tuple[str, int], int]]:
-    """The guard's Plan of the replicas holding memory on live agents (not stopping), and the bytes per
-    (node, device) still reserved by replicas already stopping."""
+    """The guard's Plan of the serving replicas holding memory on live agents, and the bytes per
+    (node, device) still reserved by replicas already stopping. Replicas still starting hold memory
+    too but are not in the plan: they are not evicted, and the guard's "never a model's last replica"
+    then means its last serving one."""
     pools = {a.agent_id: a.memory for a in agents if not a.lost and a.memory is not None}
     assignments, releasing = [], {}
     where = {node: reservation_devices(pool) for node, pool in pools.items()}
@@ -68,6 +70,8 @@ def fleet_plan(site: str, agents: Iterable[AgentRecord], replicas: Iterable[Repl
         if record.stopping:
             for d in gpus:
                 releasing[(node, d)] = releasing.get((node, d), 0) + per_device
+            continue
+        if not record.serving:
             continue
         assignments.append(Assignment(record.replica_id, record.model, (Stage(node, gpus),),
                                       per_device, per_device / max(1, pool.total[gpus[0]])))

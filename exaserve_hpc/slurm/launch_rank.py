@@ -109,7 +109,7 @@ def run_controller(site: SiteConfig, rank: RankInfo, jobdir: JobDir, inventories
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(router.frontend_endpoint, models, status=controller.status,
                           ready=lambda: controller.serving_count() > 0, curve=keys)
-    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller))
+    app = create_app(client, site, admin_routes=serving_admin_routes(site, router, controller, host))
     server = gateway_server(app, log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                              timeout_graceful_shutdown=10, access_log=False)
     try:

@@ -89,6 +89,12 @@ def test_l2_page_note_is_quiet_on_huge_tmpfs_disks_and_forced_shmem():
     assert l2_page_note("/dev/shmother/x", MOUNTS, never) is None  # a prefix of a name is not a parent
 
 
+def test_l2_page_note_counts_advise_and_deny_as_no_huge_pages_for_l2():
+    advise = MOUNTS.replace("huge=within_size", "huge=advise")  # only madvise()d mappings; L2 is pwritten
+    assert l2_page_note("/dev/shm/exaserve/n1", advise, "always within_size advise [never] deny force") is not None
+    assert l2_page_note("/dev/shm/exaserve/n1", MOUNTS, "always within_size advise never [deny] force") is not None
+
+
 def test_agent_l2_lives_under_the_site_configs_l2_path(tmp_path):
     from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
     from exaserve_hpc.config import load_site
