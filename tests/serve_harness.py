@@ -14,6 +14,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def write_local_site(tmp: Path, scheduler: dict | None = None, model: dict | None = None,
+                     router: dict | None = None) -> Path:
+    """site-configs/local.yaml with its checkpoints and run directory under `tmp`, and these sections
+    updated; written to tmp/site.yaml, whose path is returned."""
+    import yaml
+    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
+    site["weight_cache"]["l3_path"] = str(tmp / "models")
+    site["run_dir"] = str(tmp / "run")
+    site["scheduler"].update(scheduler or {})
+    site.setdefault("router", {}).update(router or {})
+    site["models"][0].update(model or {})
+    path = tmp / "site.yaml"
+    path.write_text(yaml.safe_dump(site))
+    return path
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -19,24 +19,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 
-from serve_harness import ROOT, start_serve, stop_serve
+from serve_harness import start_serve, stop_serve, write_local_site
 
 pytestmark = pytest.mark.process
 
 
 @pytest.fixture
 def site_file(tmp_path: Path) -> Path:
-    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
-    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
-    site["run_dir"] = str(tmp_path / "run")
-    site["scheduler"].update(tick_interval="200ms", cooldown_period="2s", scale_up_threshold=0.5,
-                             min_replicas_per_model=1, max_replicas_per_node=3)
-    site["models"][0].update(replicas=1, min_replicas=1, max_batch_size=2)
-    path = tmp_path / "site.yaml"
-    path.write_text(yaml.safe_dump(site))
-    return path
+    return write_local_site(tmp_path, scheduler=dict(tick_interval="200ms", cooldown_period="2s",
+                                                     scale_up_threshold=0.5, min_replicas_per_model=1,
+                                                     max_replicas_per_node=3),
+                            model=dict(replicas=1, min_replicas=1, max_batch_size=2))
 
 
 def ask(client: openai.OpenAI, stop: threading.Event, pause: float = 0.0) -> list[str]:
@@ -104,13 +98,9 @@ def test_a_burst_scales_up_then_idle_scales_down_to_the_minimum_and_no_request_f
 
 
 def test_a_model_with_no_replicas_scales_up_on_its_first_request_and_back_to_zero(tmp_path):
-    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
-    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
-    site["run_dir"] = str(tmp_path / "run")
-    site["scheduler"].update(tick_interval="200ms", cooldown_period="2s", min_replicas_per_model=0)
-    site["models"][0].update(replicas=0, min_replicas=0)
-    path = tmp_path / "site.yaml"
-    path.write_text(yaml.safe_dump(site))
+    path = write_local_site(tmp_path, scheduler=dict(tick_interval="200ms", cooldown_period="2s",
+                                                     min_replicas_per_model=0),
+                            model=dict(replicas=0, min_replicas=0))
     process, url, lines = start_serve(path)
     try:
         assert serving(httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()) == 0

@@ -21,12 +21,11 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
 
 from exaserve_hpc.engine.tokenizer import ByteTokenizer
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router.canary import sticky_bucket
-from serve_harness import ROOT, start_serve, stop_serve
+from serve_harness import start_serve, stop_serve, write_local_site
 
 pytestmark = pytest.mark.process
 
@@ -39,14 +38,9 @@ ROLLOUTS = "/v1/exaserve/rollouts"
 def deployment(tmp_path_factory):
     """One `exaserve serve` for the module, and checkpoints for versions v2 and v3 (other seeds)."""
     tmp = tmp_path_factory.mktemp("rollout")
-    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
-    site["weight_cache"]["l3_path"] = str(tmp / "models")
-    site["run_dir"] = str(tmp / "run")
-    site["scheduler"].update(tick_interval="200ms", min_replicas_per_model=1, max_replicas_per_node=4)
-    site["router"]["admin_key"] = KEY
-    site["models"][0].update(replicas=1, min_replicas=1)
-    site_file = tmp / "site.yaml"
-    site_file.write_text(yaml.safe_dump(site))
+    site_file = write_local_site(tmp, scheduler=dict(tick_interval="200ms", min_replicas_per_model=1,
+                                                     max_replicas_per_node=4),
+                                 router=dict(admin_key=KEY), model=dict(replicas=1, min_replicas=1))
     versions = {}
     for version, seed in (("v2", 1), ("v3", 2)):
         versions[version] = tmp / f"{MODEL}-{version}"

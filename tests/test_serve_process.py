@@ -11,21 +11,15 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
-from serve_harness import ROOT, alive, start_serve, stop_serve
+from serve_harness import alive, start_serve, stop_serve, write_local_site
 
 pytestmark = pytest.mark.process
 
 
 @pytest.fixture
 def site_file(tmp_path: Path) -> Path:
-    site = yaml.safe_load((ROOT / "site-configs" / "local.yaml").read_text())
-    site["weight_cache"]["l3_path"] = str(tmp_path / "models")
-    site["run_dir"] = str(tmp_path / "run")
-    path = tmp_path / "site.yaml"
-    path.write_text(yaml.safe_dump(site))
-    return path
+    return write_local_site(tmp_path)
 
 
 def test_serve_answers_then_stops_cleanly_on_sigterm(site_file, tmp_path):
