@@ -131,6 +131,7 @@ class ReplicaStatus(msgspec.Struct, omit_defaults=True):
     load_bytes_done: int = 0
     load_bytes_total: int = 0
     load_source: str = ""  # "l2" (host cache hit), "l3" (read from the shared store), "" (no weights)
+    devices: list[str] = []  # what the replica's CUDA_VISIBLE_DEVICES holds (indices or UUIDs); [] = none
 
 
 class MemoryPoolStatus(msgspec.Struct, omit_defaults=True):
@@ -222,6 +223,8 @@ class StartReplica(_Msg, tag="start"):
     drain_timeout: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     memory_bytes: int = 0  # per device to reserve from the node's pool; 0: the agent estimates from the manifest
     devices: int = 1  # devices (GPUs) the replica spans on this node (tensor parallel)
+    # Node-local device indices the controller planned for it (len == devices); [] = the agent picks.
+    gpu_indices: list[int] = []
     load_timeout: float = 0.0  # seconds per L3 -> L2 attempt; 0: the agent derives it from the size
     # KV snapshot migration (HDF5 on shared storage, engine/kv_snapshot.py); "" = off.
     kv_snapshot_in: str = ""   # loaded into the prefix cache after warm-up, before registering
