@@ -34,8 +34,7 @@ import threading
 from typing import Any
 
 from exaserve_hpc.engine.base import EngineError, EngineRequest, StepOutput
-
-INSTALL_HINT = "pip install 'exaserve-hpc[trtllm]'"
+from exaserve_hpc.engine.registry import TRTLLM_INSTALL as INSTALL_HINT
 
 
 def llm_args(model_dir: str | os.PathLike, *, tensor_parallel_size: int = 1,

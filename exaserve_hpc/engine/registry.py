@@ -1,0 +1,160 @@
+"""Every engine a replica can run, in one table.
+
+The site config's allowed ``models[].engine`` values, the replica's factory
+(``agent/replica_main.make_engine``), the node agent's memory sizing and
+weight staging, and checkpoint preparation under ``exaserve serve`` all read
+``ENGINES``. Adding an engine is one module (the engine) plus one entry here
+with its build function.
+
+Importing this module imports no engine: each build function imports its
+engine when a replica runs it, so ``config.py`` and the agent stay light and
+an engine whose package is missing fails only where it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..protocol import StartReplica
+    from .base import Engine
+
+RUNTIME_OVERHEAD = 0.25  # a checkpoint's bytes x 1.25 when the controller gives no figure (KV cache, activations)
+
+# What a build function gets besides the StartReplica: the arrays the replica loaded into its own
+# memory ((config, weights), engines with loads_in_process) or the checkpoint directory (the others).
+Weights = Any
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    build: Callable[["StartReplica", Weights], "Engine"]  # in the replica process, after loading
+    needs_weights: bool      # reads a checkpoint: the agent stages it (L3 -> L2) and sizes from it
+    loads_in_process: bool   # the replica copies the weights into its memory (L2 -> L1) before build;
+    #                          False: build gets the checkpoint directory and the engine reads it itself
+    reads_tiny: bool         # reads the checkpoints `exaserve model create-tiny` writes (a `tiny:` section)
+    kv_events: bool          # publishes KV-cache events (precise prefix routing)
+    package: str = ""        # the third-party module it imports; "" = only exaserve's own dependencies
+    install: str = ""        # how to get that package
+    summary: str = ""
+
+    def available(self) -> bool:
+        """Whether this machine can import the engine's package (without importing it)."""
+        return not self.package or importlib.util.find_spec(self.package) is not None
+
+    def missing_package_message(self) -> str:
+        return (f"engine {self.name!r} needs the Python package {self.package!r}, which is not importable "
+                f"here; install it with: {self.install}")
+
+    def memory_bytes(self, replica: "StartReplica") -> int:
+        """Bytes per device to reserve when the controller did not say: the checkpoint plus overhead."""
+        if not self.needs_weights:
+            return 0
+        from ..cache.l3_store import manifest_bytes
+        return int(manifest_bytes(replica.model_dir) * (1 + RUNTIME_OVERHEAD) / max(1, replica.devices))
+
+
+class UnknownEngine(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------- build functions
+
+def _options(replica: "StartReplica", integers: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The engine-specific knobs (EngineSettings.options) this engine takes, typed; others are refused."""
+    options = replica.settings.options
+    unknown = sorted(set(options) - set(integers) - set(floats))
+    if unknown:
+        raise ValueError(f"engine {replica.settings.engine!r} takes no option {', '.join(unknown)}; "
+                         f"its options: {', '.join(integers + floats) or 'none'}")
+    return {k: int(v) if k in integers else float(v) for k, v in options.items()}
+
+
+KV_OPTIONS = ("block_size", "num_kv_blocks")  # the paged engines' KV pool, when a site sets it
+
+
+def _batching(replica: "StartReplica", **extra) -> dict[str, Any]:
+    """ContinuousBatchingEngine's keywords from the replica's settings."""
+    s = replica.settings
+    return dict(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, max_wait_ms=s.max_wait_ms,
+                prefill_batch_size=s.prefill_batch_size, decode_batch_size=s.decode_batch_size,
+                chunked_prefill=s.chunked_prefill, prefill_chunk_tokens=s.prefill_chunk_tokens,
+                enable_prefix_caching=s.enable_prefix_caching, kv_cache_dtype=s.kv_cache_dtype,
+                replica_id=replica.replica_id, **extra)
+
+
+def _build_echo(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
+    from .echo import EchoEngine
+    s = replica.settings
+    return EchoEngine(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
+                      **_options(replica, integers=("tokens_per_step",), floats=("step_delay",)))
+
+
+def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
+    from .reference import ReferenceEngine
+    kwargs = _batching(replica, **_options(replica, integers=KV_OPTIONS), **extra)
+    if isinstance(weights, tuple):
+        return ReferenceEngine.from_weights(*weights, **kwargs)
+    return ReferenceEngine(weights or replica.model_dir, **kwargs)
+
+
+def _build_timing(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
+    from .timing import TimingEngine
+    return TimingEngine(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
+
+
+def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
+    from .trtllm_backend import TrtLlmEngine
+    s = replica.settings
+    return TrtLlmEngine(
+        weights or replica.model_dir, tensor_parallel_size=max(1, replica.devices),
+        max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
+        enable_prefix_caching=s.enable_prefix_caching, kv_cache_dtype=s.kv_cache_dtype,
+        chunked_prefill=s.chunked_prefill, prefill_chunk_tokens=s.prefill_chunk_tokens,
+        **_options(replica, integers=("block_size", "pipeline_parallel_size"),
+                   floats=("gpu_memory_utilization",)))
+
+
+TRTLLM_INSTALL = "pip install 'exaserve-hpc[trtllm]'"
+
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+    EngineSpec("reference", _build_reference, needs_weights=True, loads_in_process=True, reads_tiny=True,
+               kv_events=True, summary="CPU numpy Llama, paged KV cache, prefix caching (the default)"),
+    EngineSpec("echo", _build_echo, needs_weights=False, loads_in_process=False, reads_tiny=False,
+               kv_events=False, summary="answers with the prompt: measures the serving path (benchmarks)"),
+    EngineSpec("timing", _build_timing, needs_weights=False, loads_in_process=False, reads_tiny=False,
+               kv_events=True, summary="the reference scheduler paced by a GPU cost model (benchmarks, simulator)"),
+    EngineSpec("trtllm", _build_trtllm, needs_weights=True, loads_in_process=False, reads_tiny=False,
+               kv_events=False, package="tensorrt_llm", install=TRTLLM_INSTALL,
+               summary="TensorRT-LLM's LLM API on NVIDIA GPUs"),
+)}
+
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
+
+
+def engine_spec(name: str) -> EngineSpec:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise UnknownEngine(f"engine {name!r} is unknown; choose one of {', '.join(ENGINE_NAMES)}") from None
+
+
+def build_engine(replica: "StartReplica", weights: Weights = None, **extra) -> "Engine":
+    """The replica's engine: EngineError naming the install command when its package is missing.
+
+    ``extra``: keywords the replica adds for engines that take them (``kv_events_endpoint``).
+    """
+    from .base import EngineError
+    spec = engine_spec(replica.settings.engine)
+    if not spec.available():
+        raise EngineError(spec.missing_package_message() + "; or choose another engine for this model")
+    return spec.build(replica, weights, **extra)
+
+
+def unavailable_engines(engines: list[str]) -> dict[str, str]:
+    """Engine name -> why this machine cannot run it, for the named engines that cannot run here."""
+    return {name: ENGINES[name].missing_package_message() for name in dict.fromkeys(engines)
+            if name in ENGINES and not ENGINES[name].available()}

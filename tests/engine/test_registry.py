@@ -1,0 +1,55 @@
+"""The engine registry: one table from which the config, the replica's factory and the agent's sizing derive."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from exaserve_hpc.engine.base import Engine, EngineError
+from exaserve_hpc.engine.registry import (
+    ENGINE_NAMES, ENGINES, TRTLLM_INSTALL, UnknownEngine, build_engine, engine_spec, unavailable_engines,
+)
+from exaserve_hpc.protocol import EngineSettings, StartReplica
+
+
+def replica(engine: str, **options) -> StartReplica:
+    return StartReplica(replica_id=f"{engine}/r0", model="m", model_dir="/nonexistent", router_backend="tcp://x:1",
+                        settings=EngineSettings(engine=engine, max_batch_size=4, max_seq_len=128, options=options))
+
+
+def test_every_engine_is_in_the_table_once_with_its_traits():
+    assert set(ENGINE_NAMES) == {"reference", "echo", "timing", "trtllm"}
+    assert [n for n in ENGINE_NAMES if ENGINES[n].needs_weights] == ["reference", "trtllm"]
+    assert ENGINES["trtllm"].package == "tensorrt_llm" and ENGINES["trtllm"].install == TRTLLM_INSTALL
+    assert ENGINES["reference"].loads_in_process and not ENGINES["trtllm"].loads_in_process
+    with pytest.raises(UnknownEngine, match="engine 'vllm' is unknown; choose one of reference, echo, timing, trtllm"):
+        engine_spec("vllm")
+
+
+def test_weightless_engines_reserve_nothing_and_build_without_a_checkpoint():
+    for name in ("echo", "timing"):
+        spec = replica(name)
+        assert engine_spec(name).memory_bytes(spec) == 0
+        engine = build_engine(spec)
+        assert isinstance(engine, Engine)
+        engine.warmup()
+        engine.shutdown()
+
+
+def test_options_are_typed_per_engine_and_unknown_ones_refused():
+    echo = build_engine(replica("echo", tokens_per_step=3.0, step_delay=0.0))
+    assert echo.tokens_per_step == 3 and isinstance(echo.tokens_per_step, int)
+    timing = build_engine(replica("timing", block_size=8.0, num_kv_blocks=64.0))
+    assert (timing.blocks.block_size, timing.blocks.num_blocks) == (8, 64)
+    with pytest.raises(ValueError, match="engine 'timing' takes no option tokens_per_step; its options: block_size"):
+        build_engine(replica("timing", tokens_per_step=1.0))
+
+
+def test_an_engine_whose_package_is_missing_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "tensorrt_llm" else object())
+    assert not engine_spec("trtllm").available()
+    with pytest.raises(EngineError, match=r"pip install 'exaserve-hpc\[trtllm\]'"):
+        build_engine(replica("trtllm"))
+    assert list(unavailable_engines(["reference", "trtllm", "trtllm"])) == ["trtllm"]
