@@ -8,17 +8,25 @@ free blocks on each of its devices, not a contiguous run.
 
 Call protocol (pure, no clock, no I/O; the agent is the only caller):
 - ``can_reserve(nbytes, devices)`` -> bool
-- ``reserve(replica_id, nbytes, devices)`` -> Reservation, or ReservationError
-  at once with the numbers (asked, free, largest reservable)
+- ``reserve(replica_id, nbytes, devices, indices=None)`` -> Reservation, or
+  ReservationError at once with the numbers (asked, free, largest reservable);
+  ``indices``: exactly these devices (the controller's plan), else the ones
+  with most free blocks
 - ``release(replica_id)`` -> bytes freed (0 if it held nothing: idempotent)
 - ``status()`` -> MemoryPoolStatus for the heartbeat
+
+Device i is the node's i-th granted GPU (gpu_binding.py), or the host on a
+CPU node; ``device_ids`` says what each is called (CUDA_VISIBLE_DEVICES entries)
+and travels in the status, so status can show a replica's devices.
 
 Invariant: for every device, reserved blocks + free blocks == total blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from ..protocol import MemoryPoolStatus
 from ..units import format_size
@@ -57,12 +65,16 @@ class Reservation:
 
 
 class MemoryPool:
-    def __init__(self, device_bytes: list[int], block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, device_bytes: list[int], block_size: int = DEFAULT_BLOCK_SIZE,
+                 device_ids: Optional[list[str]] = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 byte, got {block_size}")
         if not device_bytes or any(b < 0 for b in device_bytes):
             raise ValueError(f"device_bytes must list one size >= 0 per device, got {device_bytes}")
+        if device_ids is not None and len(device_ids) != len(device_bytes):
+            raise ValueError(f"device_ids {device_ids} must name each of the {len(device_bytes)} device(s)")
         self.block_size = block_size
+        self.device_ids = list(device_ids or [])  # [] on a CPU node: the host is no GPU
         self.total_blocks = [b // block_size for b in device_bytes]
         self.free_blocks = list(self.total_blocks)
         self.reservations: dict[str, Reservation] = {}
@@ -86,8 +98,10 @@ class MemoryPool:
     def can_reserve(self, nbytes: int, devices: int = 1) -> bool:
         return self.blocks_for(nbytes) * self.block_size <= self.largest_reservable(devices)
 
-    def reserve(self, replica_id: str, nbytes: int, devices: int = 1) -> Reservation:
-        """Reserve ``nbytes`` on each of ``devices`` devices (the ones with most free blocks)."""
+    def reserve(self, replica_id: str, nbytes: int, devices: int = 1,
+                indices: Optional[Sequence[int]] = None) -> Reservation:
+        """Reserve ``nbytes`` on each of ``devices`` devices: ``indices`` if given, else the ones with
+        most free blocks."""
         if replica_id in self.reservations:
             raise ReservationError(replica_id, nbytes, devices, self.free_bytes(), self.largest_reservable(devices),
                                    self.block_size, f"replica {replica_id} already holds a reservation; "
@@ -97,6 +111,8 @@ class MemoryPool:
                                    f"replica {replica_id} asks for {devices} device(s); this node has "
                                    f"{self.device_count}")
         blocks = self.blocks_for(nbytes)
+        if indices:
+            return self._reserve_exactly(replica_id, nbytes, devices, list(indices))
         if not self.can_reserve(nbytes, devices):
             raise ReservationError(replica_id, nbytes, devices, self.free_bytes(), self.largest_reservable(devices),
                                    self.block_size)
@@ -104,6 +120,34 @@ class MemoryPool:
         for d in chosen:
             self.free_blocks[d] -= blocks
         reservation = Reservation(replica_id, tuple(sorted(chosen)), blocks, self.block_size)
+        self.reservations[replica_id] = reservation
+        self._check()
+        return reservation
+
+    def _reserve_exactly(self, replica_id: str, nbytes: int, devices: int, indices: list[int]) -> Reservation:
+        """The controller planned these devices: take them or refuse, never substitute others."""
+        blocks = self.blocks_for(nbytes)
+
+        def refuse(why: str) -> ReservationError:
+            return ReservationError(replica_id, nbytes, devices, self.free_bytes(),
+                                    self.largest_reservable(devices), self.block_size, why)
+
+        if len(indices) != devices or len(set(indices)) != len(indices):
+            raise refuse(f"replica {replica_id} names devices {indices} (gpu_indices) but spans {devices} "
+                         "device(s); name each of its devices once")
+        outside = [i for i in indices if not 0 <= i < self.device_count]
+        if outside:
+            raise refuse(f"replica {replica_id} asks for device(s) {outside}, which this node was not granted "
+                         f"(its devices are 0..{self.device_count - 1})")
+        short = [i for i in indices if self.free_blocks[i] < blocks]
+        if short:
+            raise refuse(f"replica {replica_id} asks {format_size(blocks * self.block_size)} on device(s) "
+                         f"{indices}; free: " + ", ".join(
+                             f"device {i} {format_size(self.free_blocks[i] * self.block_size)}" for i in short)
+                         + ". Stop or move a replica there, or plan this one on other devices")
+        for d in indices:
+            self.free_blocks[d] -= blocks
+        reservation = Reservation(replica_id, tuple(indices), blocks, self.block_size)
         self.reservations[replica_id] = reservation
         self._check()
         return reservation
@@ -122,7 +166,8 @@ class MemoryPool:
                                 total=[b * self.block_size for b in self.total_blocks],
                                 free=[b * self.block_size for b in self.free_blocks],
                                 reservations={r.replica_id: r.nbytes for r in self.reservations.values()},
-                                devices={r.replica_id: list(r.devices) for r in self.reservations.values()})
+                                devices={r.replica_id: list(r.devices) for r in self.reservations.values()},
+                                device_ids=list(self.device_ids))
 
     def _check(self) -> None:
         for d in range(self.device_count):

@@ -7,6 +7,8 @@ list plus a reason string; nothing above this module imports pynvml.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 from ..protocol import GpuInfo
 
@@ -35,6 +37,48 @@ def read_gpus() -> tuple[list[GpuInfo], str]:
                 temperature=float(_optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, 0), 0)),
                 power_watts=float(_optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 0)) / 1000.0))
         return gpus, "" if gpus else "no GPU: NVML reports 0 devices"
+    except Exception as exc:
+        log.warning("NVML query failed: %s", exc)
+        return [], f"NVML query failed ({exc})"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One GPU as NVML names it, for binding replicas (gpu_binding.py): identity, free memory, nearby CPUs."""
+    index: int  # NVML's enumeration (PCI bus order)
+    uuid: str
+    minor: int = -1  # /dev/nvidiaN; -1: unknown
+    memory_free: int = 0
+    cpus: frozenset[int] = frozenset()  # CPUs NVML calls near this GPU; empty: not reported
+
+
+def read_devices() -> tuple[list[NvmlDevice], str]:
+    """(every GPU NVML sees, reason when there are none); same failure rules as read_gpus."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return [], f"no GPU: NVML unavailable ({exc})"
+    try:
+        words = -(-(os.cpu_count() or 1) // 64)  # the CPU mask comes as 64-bit words
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            mask = _optional(lambda: list(pynvml.nvmlDeviceGetCpuAffinity(handle, words)), [])
+            devices.append(NvmlDevice(
+                index=index, uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                minor=int(_optional(lambda: pynvml.nvmlDeviceGetMinorNumber(handle), -1)),
+                memory_free=int(pynvml.nvmlDeviceGetMemoryInfo(handle).free),
+                cpus=frozenset(w * 64 + b for w, word in enumerate(mask) for b in range(64) if int(word) >> b & 1)))
+        return devices, "" if devices else "no GPU: NVML reports 0 devices"
     except Exception as exc:
         log.warning("NVML query failed: %s", exc)
         return [], f"NVML query failed ({exc})"

@@ -80,3 +80,31 @@ def test_accounting_never_leaks(ops):
     for rid in list(pool.reservations):
         pool.release(rid)
     assert pool.free_blocks == pool.total_blocks
+
+
+def test_planned_devices_are_reserved_exactly_and_fractional_replicas_share_one():
+    pool = MemoryPool([100 * MiB] * 4, block_size=10 * MiB, device_ids=["GPU-a", "GPU-b", "GPU-c", "GPU-d"])
+    assert pool.reserve("a", 40 * MiB, 2, [3, 1]).devices == (3, 1)  # the controller's order is kept
+    assert pool.reserve("b", 30 * MiB, 1, [3]).devices == (3,)  # shares device 3 with a: both fit
+    assert pool.free_blocks == [10, 6, 10, 3]
+    status = pool.status()
+    assert status.devices == {"a": [3, 1], "b": [3]} and status.device_ids == ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+
+
+def test_planned_devices_not_granted_or_not_free_are_refused_and_nothing_is_taken():
+    pool = MemoryPool([100 * MiB] * 2, block_size=10 * MiB)
+    pool.reserve("a", 80 * MiB, 1, [0])
+    with pytest.raises(ReservationError, match=r"device\(s\) \[4\], which this node was not granted"):
+        pool.reserve("b", 10 * MiB, 1, [4])
+    with pytest.raises(ReservationError, match="device 0 20.0 MiB"):
+        pool.reserve("b", 30 * MiB, 2, [1, 0])  # device 1 has room, device 0 does not
+    with pytest.raises(ReservationError, match="gpu_indices"):
+        pool.reserve("b", 10 * MiB, 2, [1])
+    with pytest.raises(ReservationError, match="gpu_indices"):
+        pool.reserve("b", 10 * MiB, 2, [1, 1])
+    assert pool.free_blocks == [2, 10] and set(pool.reservations) == {"a"}
+
+
+def test_device_ids_must_name_every_device():
+    with pytest.raises(ValueError, match="device_ids"):
+        MemoryPool([MiB, MiB], block_size=MiB, device_ids=["GPU-a"])

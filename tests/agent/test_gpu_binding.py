@@ -1,0 +1,120 @@
+"""GPU binding as a pure function: which GPUs a node was granted (environment + NVML readings in, a
+grant out), how NVML devices are matched to granted ids, and what one replica is given."""
+
+import pytest
+
+from exaserve_hpc.agent.gpu_binding import (
+    GpuGrant, GpuGrantError, GrantedGpu, detect_grant, match_nvml, parse_ids, replica_binding,
+)
+from exaserve_hpc.agent.nvml_probe import NvmlDevice
+
+GiB = 1 << 30
+
+
+def nvml(count: int, minors=None, cpus_per_gpu: int = 0) -> list[NvmlDevice]:
+    """Stand-in NVML readings: what read_devices() would return on a node with `count` GPUs."""
+    minors = list(range(count)) if minors is None else minors
+    return [NvmlDevice(i, f"GPU-uuid-{minors[i]}", minors[i], (10 + i) * GiB,
+                       frozenset(range(i * cpus_per_gpu, (i + 1) * cpus_per_gpu))) for i in range(count)]
+
+
+def ids(grant: GpuGrant) -> list[str]:
+    return [g.ident for g in grant.gpus]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0,1,2,3", ["0", "1", "2", "3"]), ("0-3", ["0", "1", "2", "3"]), ("1,4-5", ["1", "4", "5"]),
+    ("GPU-ab-cd,MIG-ef", ["GPU-ab-cd", "MIG-ef"]), ("", []), ("NoDevFiles", []), ("-1", []), (" 2 ", ["2"]),
+])
+def test_parse_ids_reads_slurm_and_cuda_lists(text, expected):
+    assert parse_ids(text) == expected
+
+
+def test_slurm_step_gpus_win_over_the_job_and_cuda_visible_devices():
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1,2,3", "CUDA_VISIBLE_DEVICES": "0,1"}
+    grant = detect_grant(env, [], 2)
+    assert ids(grant) == ["2", "3"] and grant.source == "SLURM_STEP_GPUS=2,3"
+
+
+def test_the_job_gpus_then_the_steps_cuda_visible_devices():
+    assert detect_grant({"SLURM_JOB_GPUS": "1", "CUDA_VISIBLE_DEVICES": "0"}, [], 1).source == "SLURM_JOB_GPUS=1"
+    grant = detect_grant({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0,1"}, [], 2)
+    assert ids(grant) == ["0", "1"] and grant.source == "CUDA_VISIBLE_DEVICES=0,1"
+
+
+def test_nvml_when_slurm_says_nothing_and_its_uuids_name_the_devices():
+    grant = detect_grant({}, nvml(2, cpus_per_gpu=4), None)
+    assert ids(grant) == ["GPU-uuid-0", "GPU-uuid-1"] and grant.source.startswith("NVML")
+    assert grant.gpus[1].memory_free == 11 * GiB and grant.gpus[1].cpus == frozenset({4, 5, 6, 7})
+
+
+def test_the_site_config_only_outside_slurm_and_without_nvml():
+    grant = detect_grant({}, [], 4)
+    assert ids(grant) == ["0", "1", "2", "3"] and grant.source == "cluster.gpus_per_node"
+    # a Slurm job that names no GPU was granted none: never bind GPUs another job may hold
+    with pytest.raises(GpuGrantError, match="granted 0 GPU"):
+        detect_grant({"SLURM_JOB_ID": "7"}, [], 4)
+
+
+def test_no_site_no_slurm_no_nvml_is_a_cpu_node():
+    assert detect_grant({}, [], None) == GpuGrant()
+    assert detect_grant({"SLURM_JOB_ID": "7"}, [], None).gpus == ()
+
+
+def test_a_cpu_site_binds_no_gpu_whatever_the_node_has():
+    grant = detect_grant({"SLURM_STEP_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"}, nvml(2), 0)
+    assert grant.gpus == () and "cluster.gpus_per_node is 0" in grant.source
+
+
+def test_asking_for_more_gpus_than_granted_is_refused_naming_the_setting_the_count_and_the_source():
+    with pytest.raises(GpuGrantError) as info:
+        detect_grant({"SLURM_JOB_ID": "7", "SLURM_STEP_GPUS": "0,1"}, nvml(8), 4)
+    message = str(info.value)
+    assert "cluster.gpus_per_node is 4" in message and "granted 2 GPU(s)" in message
+    assert "SLURM_STEP_GPUS=0,1" in message and "--gpus-per-node=4" in message
+    with pytest.raises(GpuGrantError, match=r"granted 2 GPU\(s\) \(NVML"):
+        detect_grant({}, nvml(2), 8)
+
+
+def test_a_larger_grant_is_used_up_to_gpus_per_node():
+    assert ids(detect_grant({"SLURM_STEP_GPUS": "0,1,2,3"}, [], 2)) == ["0", "1"]
+
+
+def test_nvml_is_matched_by_minor_number_when_slurm_names_device_files():
+    # NVML sees all four (no device cgroup); PCI order differs from /dev/nvidiaN order
+    devices = nvml(4, minors=[1, 0, 3, 2])
+    matched = match_nvml(["2", "3"], devices)
+    assert matched["2"].uuid == "GPU-uuid-2" and matched["3"].uuid == "GPU-uuid-3"
+    grant = detect_grant({"SLURM_STEP_GPUS": "2,3"}, devices, 2)
+    assert ids(grant) == ["GPU-uuid-2", "GPU-uuid-3"]
+
+
+def test_nvml_is_matched_in_order_when_a_cgroup_hides_the_other_gpus():
+    # Slurm's CUDA_VISIBLE_DEVICES is zero-based inside the cgroup; NVML sees the two granted GPUs
+    hidden = [NvmlDevice(0, "GPU-x", -1, GiB), NvmlDevice(1, "GPU-y", -1, GiB)]
+    assert ids(detect_grant({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0,1"}, hidden, 2)) == ["GPU-x", "GPU-y"]
+    assert {k: v.uuid for k, v in match_nvml(["GPU-y"], hidden).items()} == {"GPU-y": "GPU-y"}
+
+
+def test_ids_nvml_cannot_place_are_bound_as_granted():
+    assert ids(detect_grant({"CUDA_VISIBLE_DEVICES": "5,6"}, nvml(3, minors=[7, 8, 9]), None)) == ["5", "6"]
+
+
+def test_a_replica_gets_its_devices_the_pci_order_and_the_cpus_near_them():
+    grant = detect_grant({}, nvml(4, cpus_per_gpu=2), 4)
+    binding = replica_binding(grant, (2, 3), frozenset(range(5)))
+    assert binding.devices == ("GPU-uuid-2", "GPU-uuid-3")
+    assert binding.env == {"CUDA_VISIBLE_DEVICES": "GPU-uuid-2,GPU-uuid-3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert binding.cpus == frozenset({4})  # near GPUs 2-3 are CPUs 4-7; the agent may use 0-4
+    assert replica_binding(grant, (3,), frozenset({0, 1})).cpus is None  # none near and allowed: leave it
+
+
+def test_without_nvml_affinity_is_left_alone_and_the_granted_ids_are_used():
+    binding = replica_binding(GpuGrant((GrantedGpu("0", "0"), GrantedGpu("1", "1")), "SLURM_STEP_GPUS=0,1"),
+                              (1,), frozenset({0, 1}))
+    assert binding.devices == ("1",) and binding.env["CUDA_VISIBLE_DEVICES"] == "1" and binding.cpus is None
+
+
+def test_a_host_replica_sees_no_gpu():
+    binding = replica_binding(GpuGrant(), (0,), frozenset({0, 1}))
+    assert binding.devices == () and binding.env["CUDA_VISIBLE_DEVICES"] == "" and binding.cpus is None
