@@ -40,7 +40,8 @@ from ..protocol import (
 from ..units import format_size, parse_size
 from . import faults
 from .lifecycle import Lifecycle, ReplicaState
-from .memory_pool import DEFAULT_BLOCK_SIZE, MemoryPool, ReservationError
+from .gpu_binding import GpuGrant, GpuGrantError, node_grant, node_pool, replica_binding
+from .memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from .nvml_probe import host_memory, read_gpus
 from .replica_main import die_with_parent
 from .replica_process import ReplicaSlot, parse_status_line, spawn
@@ -49,6 +50,7 @@ from .weight_loader import PREFETCH, FillResult, WeightLoader
 log = logging.getLogger("exaserve.agent")
 
 DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
+EXIT_BAD_GRANT = 2  # the site asks for more GPUs per node than this node was granted
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when its controller went silent
 RUNTIME_OVERHEAD = 0.25  # reserve weights x 1.25 when the controller does not say (KV cache, activations)
 
@@ -74,23 +76,17 @@ def default_l2_root(agent_id: str, l2_path: str = "/dev/shm") -> Path:
     return Path(os.path.expandvars(l2_path)).expanduser() / f"exaserve-l2-{os.getuid()}" / agent_id.replace("/", "_")
 
 
-def node_pool(l2_capacity: int, pool_bytes: Optional[int], block_size: int) -> MemoryPool:
-    """Per-GPU memory from NVML; on CPU nodes host memory less L2 (10% left for the OS)."""
-    if pool_bytes is not None:
-        return MemoryPool([pool_bytes], block_size)
-    gpus, _ = read_gpus()
-    if gpus:
-        return MemoryPool([g.memory_total - g.memory_used for g in gpus], block_size)
-    total, _ = host_memory()
-    return MemoryPool([max(0, int(total * 0.9) - l2_capacity)], block_size)
-
-
 class NodeAgent:
     def __init__(self, controller: str, agent_id: str, heartbeat_interval: float = 5.0, node_index: int = 0,
                  hostname: Optional[str] = None, *, l2_capacity: int = DEFAULT_L2_CAPACITY,
                  l2_root: Optional[str] = None, pool_bytes: Optional[int] = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, keep_l2: bool = False, load_retries: int = 3,
-                 controller_timeout: float = 0.0, replica_env: Optional[dict[str, str]] = None):
+                 controller_timeout: float = 0.0, replica_env: Optional[dict[str, str]] = None,
+                 gpus_per_node: Optional[int] = None, grant: Optional[GpuGrant] = None):
+        # First, before anything is created: the GPUs granted here (GpuGrantError when the site asks for
+        # more than that; gpus_per_node None: the site is not known). `grant`: tests' stand-in NVML.
+        self.grant = grant if grant is not None else node_grant(gpus_per_node)
+        self.allowed_cpus = frozenset(os.sched_getaffinity(0))  # Slurm's cpuset: replicas' CPUs stay in it
         self.controller = controller
         self.replica_env = replica_env or {}  # added to every replica process's environment
         self.agent_id = agent_id
@@ -119,7 +115,7 @@ class NodeAgent:
             log.log(logging.WARNING if l2_capacity >= 16 << 30 else logging.INFO, "%s", note)
         self.cache.adopt(time.monotonic())
         self.loader = WeightLoader(self.cache, retries=load_retries)
-        self.pool = node_pool(l2_capacity, pool_bytes, block_size)
+        self.pool = node_pool(l2_capacity, pool_bytes, block_size, self.grant)
         self._seq = 0
         self._heartbeat_due = False  # a replica process started: its pid goes out before its first event
         self.context = zmq.Context()
@@ -203,7 +199,9 @@ class NodeAgent:
         self._move(slot, ReplicaState.RESERVING)
         try:
             faults.check("reserving")
-            slot.reservation = self.pool.reserve(spec.replica_id, estimate_replica_bytes(spec), spec.devices)
+            slot.reservation = self.pool.reserve(spec.replica_id, estimate_replica_bytes(spec), spec.devices,
+                                                 spec.gpu_indices)
+            slot.binding = replica_binding(self.grant, slot.reservation.devices, self.allowed_cpus)
         except (ReservationError, CheckpointError, faults.InjectedFailure) as exc:
             self._fail(slot, f"reserve failed: {exc}")
             return
@@ -432,6 +430,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="seconds of silence from the controller after which the agent stops its replicas "
                              f"and exits with status {EXIT_CONTROLLER_LOST} (0: never; heartbeat.controller_timeout)")
     parser.add_argument("--memory-pool", type=parse_size, default=None,
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs the site declares per node (cluster.gpus_per_node): refused at start if the "
+                             "node was granted fewer; 0: a CPU site, replicas get no GPU; default: unchecked")
                         help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "
                              "less L2 on CPU nodes)")
     parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
@@ -441,10 +442,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(asctime)s agent %(levelname)s %(message)s")
     if args.die_with_parent:
         die_with_parent()
-    agent = NodeAgent(args.controller, args.agent_id, args.heartbeat, args.node_index,
-                      l2_capacity=args.l2_capacity, l2_root=args.l2_dir, pool_bytes=args.memory_pool,
-                      block_size=args.memory_block, keep_l2=args.keep_l2,
-                      controller_timeout=args.controller_timeout)
+    try:
+        agent = NodeAgent(args.controller, args.agent_id, args.heartbeat, args.node_index,
+                          l2_capacity=args.l2_capacity, l2_root=args.l2_dir, pool_bytes=args.memory_pool,
+                          block_size=args.memory_block, keep_l2=args.keep_l2,
+                          controller_timeout=args.controller_timeout, gpus_per_node=args.gpus_per_node)
+    except GpuGrantError as exc:
+        print(f"exaserve-agent: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_GRANT
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown(10.0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller orders the shutdown
     return agent.run()

@@ -7,13 +7,15 @@ The replica process talks back on a pipe, one line per event:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
+from .gpu_binding import ReplicaBinding
 from .memory_pool import Reservation
 from ..protocol import ReplicaStatus, StartReplica, encode
 from .lifecycle import Lifecycle, ReplicaState
@@ -31,6 +33,7 @@ class ReplicaSlot:
     detail: str = ""
     exit_code: Optional[int] = None
     stop_deadline: float = 0.0
+    binding: Optional[ReplicaBinding] = None  # its devices, environment and CPUs (gpu_binding.py)
     reservation: Optional[Reservation] = None
     l2_key: Optional[str] = None  # the L2 entry it waits for or pins
     load_source: str = ""  # "l2" | "l3" | ""
@@ -70,7 +73,8 @@ class ReplicaSlot:
                              exit_code=self.exit_code, detail=self.detail,
                              load_progress=round(self.load_progress(), 4),
                              load_bytes_done=self.l3_done + self.l1_done,
-                             load_bytes_total=self.l3_total + self.l1_total, load_source=self.load_source)
+                             load_bytes_total=self.l3_total + self.l1_total, load_source=self.load_source,
+                             devices=list(self.binding.devices) if self.binding else [])
 
 
 def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -95,12 +99,31 @@ def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str,
                "--status-fd", str(write_fd), "--node", node]
     if weights_dir:
         command += ["--weights-dir", weights_dir, "--weights-source", source]
+    binding = slot.binding
+    env = {**(extra_env or {}), **(binding.env if binding else {})}
     try:
-        slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                                        env=replica_env(extra_env))
+        with thread_affinity(binding.cpus if binding else None):
+            slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
+                                            env=replica_env(env))
     finally:
         os.close(write_fd)
     slot.status_fd = read_fd
+
+
+@contextlib.contextmanager
+def thread_affinity(cpus: Optional[frozenset[int]]) -> Iterator[None]:
+    """Pin the calling thread to `cpus` while it starts a process, which inherits the mask from its first
+    instruction; no preexec_fn, which is unsafe where other threads run (the rank-0 agent is a thread).
+    sched_setaffinity(0) on Linux affects the calling thread only; the old mask is restored after."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 StatusLine = Union[tuple[ReplicaState, str], tuple[int, int], None]

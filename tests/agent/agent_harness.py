@@ -25,14 +25,15 @@ TINY = TinyModelSpec(layers=1, hidden=32, heads=4, kv_heads=2, intermediate=48, 
 
 class AgentUnderTest:
     def __init__(self, tmp_path: Path, *, pool_bytes: int = 1 << 30, block_size: int = 1 << 20,
-                 l2_capacity: int = 64 << 20, heartbeat: float = 0.2):
+                 l2_capacity: int = 64 << 20, heartbeat: float = 0.2, **agent_options):
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.router_backend = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
         self.agent = NodeAgent(f"tcp://127.0.0.1:{port}", "node-t", heartbeat, l2_root=str(tmp_path / "l2"),
-                               pool_bytes=pool_bytes, block_size=block_size, l2_capacity=l2_capacity)
+                               pool_bytes=pool_bytes, block_size=block_size, l2_capacity=l2_capacity,
+                               **agent_options)
         self.messages: list = []
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
         self.thread.start()
