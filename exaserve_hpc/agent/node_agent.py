@@ -430,11 +430,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="seconds of silence from the controller after which the agent stops its replicas "
                              f"and exits with status {EXIT_CONTROLLER_LOST} (0: never; heartbeat.controller_timeout)")
     parser.add_argument("--memory-pool", type=parse_size, default=None,
+                        help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "
+                             "less L2 on CPU nodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs the site declares per node (cluster.gpus_per_node): refused at start if the "
                              "node was granted fewer; 0: a CPU site, replicas get no GPU; default: unchecked")
-                        help="bytes the replicas may reserve (default: per-GPU free memory, or host memory "
-                             "less L2 on CPU nodes)")
     parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
                         help="the memory pool's block size")
     args = parser.parse_args(argv)

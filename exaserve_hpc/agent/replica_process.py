@@ -33,8 +33,8 @@ class ReplicaSlot:
     detail: str = ""
     exit_code: Optional[int] = None
     stop_deadline: float = 0.0
-    binding: Optional[ReplicaBinding] = None  # its devices, environment and CPUs (gpu_binding.py)
     reservation: Optional[Reservation] = None
+    binding: Optional[ReplicaBinding] = None  # its devices, environment and CPUs (gpu_binding.py)
     l2_key: Optional[str] = None  # the L2 entry it waits for or pins
     load_source: str = ""  # "l2" | "l3" | ""
     l3_done: int = 0
