@@ -98,7 +98,7 @@ def run_proxy(endpoints) -> None:
 def run_router(endpoints, policy: str) -> None:
     import logging
     logging.disable(logging.WARNING)  # the client leaving mid-stream at the end is expected
-    from exaserve_hpc.router.balancing import make_policy
+    from exaserve_hpc.router.policies import make_policy
     from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
     from exaserve_hpc.router.zmq_router import ZmqRouter
     dispatcher = Dispatcher(make_policy(policy), DispatchSettings(replica_expiry=1e9), {"echo"})

@@ -40,7 +40,7 @@ from exaserve_hpc.engine.base import EngineRequest
 from exaserve_hpc.engine.timing import TimingEngine, timings_for
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk
 from exaserve_hpc.router.affinity import AffinitySettings
-from exaserve_hpc.router.balancing import make_policy
+from exaserve_hpc.router.policies import make_policy
 from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher, DispatchSettings
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

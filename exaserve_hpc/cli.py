@@ -140,6 +140,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         replicas = sum(site.initial_replicas(m) for m in site.models)
         out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
                   f"{replicas} replica(s))", highlight=False)
+        for warning in site.engine_warnings():
+            err.print(f"{name}: warning: {warning}", highlight=False, markup=False)
     return 2 if failed else 0
 
 

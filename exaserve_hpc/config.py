@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .engine.registry import ENGINE_NAMES, unavailable_engines
+from .router.policies import POLICY_NAMES
 from .slurm.hostlist import expand_hostlist
 from .units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
 
@@ -101,7 +103,7 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     model_name: Name
     model_path: Optional[str] = None  # checkpoint directory; None: <l3_path>/<model_name>
-    engine: Literal["reference", "echo", "timing", "trtllm"] = "reference"  # echo: benchmarks only
+    engine: Literal[ENGINE_NAMES] = "reference"  # engine/registry.py; echo and timing: benchmarks, simulator
     tiny: Optional[TinyModelConfig] = None  # create the checkpoint on first use
     replicas: Optional[int] = Field(None, ge=0)  # initial count; None: scheduler minimum
     min_replicas: Optional[int] = Field(None, ge=0)  # None: scheduler.min_replicas_per_model
@@ -198,7 +200,7 @@ class RouterConfig(_Section):
     host: Optional[str] = None
     frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     backend_port: int = Field(0, ge=0, le=65535)
-    policy: Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"] = "least_load"
+    policy: Literal[POLICY_NAMES] = "least_load"  # router/policies.py
     block_size: int = Field(16, ge=1)  # tokens per prefix block; in precise mode the engine's block size
     prefix_mode: Literal["approximate", "precise"] = "approximate"  # precise: fed by the replicas' KV events
     index_blocks: int = Field(1_000_000, ge=1024)  # block hashes the prefix index keeps (memory bound)
@@ -276,6 +278,13 @@ class SiteConfig(_Section):
 
     def max_batch_size(self, model: ModelConfig) -> int:
         return model.max_batch_size or self.batching.max_batch_size
+
+    def engine_warnings(self) -> list[str]:
+        """Models whose engine's package does not import on this machine: warnings, not errors (the
+        compute nodes may well have what a login node lacks)."""
+        missing = unavailable_engines([m.engine for m in self.models])
+        return [f"models[{i}].engine: {missing[m.engine]} (model {m.model_name})"
+                for i, m in enumerate(self.models) if m.engine in missing]
 
     @property
     def run_path(self) -> Path:

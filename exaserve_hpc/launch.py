@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .config import SiteConfig
-from .router.balancing import make_policy
+from .router.policies import policy_for_site
 from .router.breaker import BreakerSettings
 from .router.dispatch import Dispatcher, DispatchSettings
 from .router.zmq_router import ZmqRouter
@@ -51,15 +51,19 @@ class ServeOptions:
 def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
     """Create missing tiny checkpoints (with a progress bar); refuse a missing real one."""
     from .cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
+    from .engine.registry import engine_spec
 
     for model in site.models:
-        if model.engine != "reference":
+        engine = engine_spec(model.engine)
+        if not engine.needs_weights:
             continue
         directory = site.model_dir(model)
-        if model.tiny is None:
+        if model.tiny is None or not engine.reads_tiny:
             if not (directory / "manifest.json").exists():
                 raise ServeError(f"model {model.model_name}: no checkpoint at {directory} (manifest.json missing); "
-                                 f"set model_path to a checkpoint directory, or add a `tiny:` section to create one")
+                                 "set model_path to a checkpoint directory"
+                                 + (", or add a `tiny:` section to create one" if engine.reads_tiny else
+                                    f" (engine {model.engine} cannot read the tiny checkpoints `tiny:` creates)"))
             continue
         spec = TinyModelSpec(**model.tiny.model_dump())
         with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -106,11 +110,7 @@ def start_agent(controller_endpoint: str, agent_id: str, heartbeat: float,
 
 def router_policy(site: SiteConfig):
     """The routing policy the site's router section asks for, with its prefix settings."""
-    if site.router.policy == "prefix_affinity":
-        from .router.affinity import AffinitySettings
-        return make_policy("prefix_affinity", settings=AffinitySettings.from_site(
-            site.router, site.batching.prefill_chunk_tokens))
-    return make_policy(site.router.policy)
+    return policy_for_site(site.router, site.batching)
 
 
 def dispatch_settings(site: SiteConfig) -> DispatchSettings:

@@ -32,7 +32,7 @@ import zmq
 
 from ..cache.checkpoint import CheckpointError
 from ..cache.l2_shm import L2Cache, L2Full, read_l2_page_note
-from ..cache.l3_store import manifest_bytes
+from ..engine.registry import ENGINES
 from ..protocol import (
     AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
     StopReplica, encode, receive_pending,
@@ -52,16 +52,14 @@ log = logging.getLogger("exaserve.agent")
 DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
 EXIT_BAD_GRANT = 2  # the site asks for more GPUs per node than this node was granted
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when its controller went silent
-RUNTIME_OVERHEAD = 0.25  # reserve weights x 1.25 when the controller does not say (KV cache, activations)
 
 
 def estimate_replica_bytes(spec: StartReplica) -> int:
-    """Bytes per device to reserve: the controller's figure, else the checkpoint's size plus overhead."""
+    """Bytes per device to reserve: the controller's figure, else its engine's estimate (engine/registry.py)."""
     if spec.memory_bytes:
         return spec.memory_bytes
-    if spec.settings.engine in ("echo", "timing"):
-        return 0
-    return int(manifest_bytes(spec.model_dir) * (1 + RUNTIME_OVERHEAD) / max(1, spec.devices))
+    engine = ENGINES.get(spec.settings.engine)
+    return engine.memory_bytes(spec) if engine is not None else 0  # an unknown engine fails in its replica
 
 
 def spawn_replica(spec: StartReplica, node: str) -> ReplicaSlot:

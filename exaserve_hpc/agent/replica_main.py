@@ -30,6 +30,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket as pysocket
 import sys
 import time
 from typing import Optional
@@ -42,9 +43,10 @@ from ..protocol import (
 )
 from ..bootstrap import replica_client_keys, secure_client
 from ..cache.tiers import load_weights
+from ..engine.base import EngineError
+from ..engine.registry import build_engine, engine_spec
 from . import faults
 from .lifecycle import ReplicaState
-from .replica_process import WEIGHTLESS_ENGINES
 
 log = logging.getLogger("exaserve.replica")
 _INJECTABLE = (ReplicaState.LOADING, ReplicaState.INITIALIZING, ReplicaState.WARMING, ReplicaState.REGISTERING,
@@ -94,25 +96,31 @@ def die_with_parent() -> None:
         pass
 
 
-def make_engine(spec: StartReplica, loaded: Optional[tuple[dict, dict]] = None):
-    """The engine over weights already in this process (``loaded`` = (config, weights))."""
-    settings = spec.settings
-    kwargs = dict(max_batch_size=settings.max_batch_size, max_seq_len=settings.max_seq_len, **settings.options)
-    if settings.engine == "echo":
-        from ..engine.echo import EchoEngine
-        return EchoEngine(**kwargs)
-    if settings.engine == "reference":
-        from ..engine.reference import ReferenceEngine
-        batching = dict(max_wait_ms=settings.max_wait_ms, prefill_batch_size=settings.prefill_batch_size,
-                        decode_batch_size=settings.decode_batch_size, chunked_prefill=settings.chunked_prefill,
-                        prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                        enable_prefix_caching=settings.enable_prefix_caching,
-                        kv_cache_dtype=settings.kv_cache_dtype, replica_id=spec.replica_id, **kwargs)
-        if loaded is None:
-            return ReferenceEngine(spec.model_dir, **batching)
-        return ReferenceEngine.from_weights(*loaded, **batching)
-    raise ValueError(f"engine {settings.engine!r} cannot run in a replica process yet; "
-                     "use engine: reference (or echo for benchmarks)")
+def make_engine(spec: StartReplica, weights=None, **extra):
+    """The replica's engine, from the engine registry (engine/registry.py).
+
+    ``weights``: for engines that load in process, the (config, arrays) already
+    in this process; for those that read their checkpoint themselves, its
+    directory; None for engines without weights. ``extra``: keywords only some
+    engines take (``kv_events_endpoint``).
+    """
+    return build_engine(spec, weights, **extra)
+
+
+def kv_events_bind(router_backend: str) -> str:
+    """Where the engine's KV-event PUB binds: loopback beside a loopback router, else every interface."""
+    host = router_backend.rpartition(":")[0].removeprefix("tcp://").strip("[]")
+    if host == "localhost" or host == "::1" or host.startswith("127."):
+        return f"tcp://{'[::1]' if host == '::1' else host}:*"
+    return "tcp://*:*"
+
+
+def kv_events_announced(bound: str) -> str:
+    """The endpoint to announce: a wildcard bind is published under this node's name (as the router does)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
+        if bound.startswith(wildcard):
+            return f"tcp://{pysocket.getfqdn()}:{bound[len(wildcard):]}"
+    return bound
 
 
 def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
@@ -300,6 +308,30 @@ class ReplicaServer:
         self.socket.send(encode(message))
 
 
+def build_replica_engine(spec: StartReplica, args: argparse.Namespace, reporter: StatusReporter):
+    """Loading -> initializing: the weights the engine needs, then the engine (engine/registry.py).
+
+    Returns the engine and the KV-event endpoint to announce ("" for engines that publish none).
+    """
+    engine_kind = engine_spec(spec.settings.engine)
+    if not engine_kind.available():  # before loading gigabytes for an engine that cannot start here
+        raise EngineError(engine_kind.missing_package_message() + "; or choose another engine for this model")
+    weights_dir = args.weights_dir or spec.model_dir
+    reporter.state(ReplicaState.LOADING, f"{args.weights_source}: {weights_dir}")
+    weights = None
+    if engine_kind.needs_weights:
+        weights = load_weights(weights_dir, args.weights_source, progress=reporter.progress) \
+            if engine_kind.loads_in_process else weights_dir
+    reporter.state(ReplicaState.INITIALIZING)
+    if not engine_kind.kv_events:
+        return make_engine(spec, weights), ""
+    # Announced in the hello; a router in precise prefix mode subscribes. Hashes only: the SUB side
+    # is not authenticated, and prompts must not leave the replica in clear.
+    engine = make_engine(spec, weights, kv_events_endpoint=kv_events_bind(spec.router_backend),
+                         kv_events_tokens=False)
+    return engine, kv_events_announced(engine.kv_events_endpoint)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="exaserve-replica", description="Run one model replica (started by the node agent).")
     parser.add_argument("--spec", required=True, help="StartReplica message, MessagePack as hex")
@@ -326,14 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     try:
-        weights_dir = args.weights_dir or spec.model_dir
-        reporter.state(ReplicaState.LOADING, f"{args.weights_source}: {weights_dir}")
-        loaded = None
-        if spec.settings.engine not in WEIGHTLESS_ENGINES:
-            loaded = load_weights(weights_dir, args.weights_source, progress=reporter.progress)
-        reporter.state(ReplicaState.INITIALIZING)
-        engine = make_engine(spec, loaded)
-        del loaded
+        engine, kv_events_endpoint = build_replica_engine(spec, args, reporter)
         reporter.state(ReplicaState.WARMING)
         engine.warmup()
         if spec.kv_snapshot_in:
@@ -350,7 +375,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         socket.send(encode(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
                                         max_batch_size=spec.settings.max_batch_size,
                                         max_seq_len=spec.settings.max_seq_len, node=args.node,
-                                        version=spec.version)))
+                                        version=spec.version,
+                                        kv_events_endpoint=kv_events_endpoint)))
         server = ReplicaServer(spec, engine, socket, reporter, spec.coalesce_ms, spec.coalesce_tokens)
         reporter.state(ReplicaState.SERVING)
         server.run()

@@ -17,10 +17,9 @@ from typing import Iterator, Optional, Union
 
 from .gpu_binding import ReplicaBinding
 from .memory_pool import Reservation
+from ..engine.registry import ENGINES
 from ..protocol import ReplicaStatus, StartReplica, encode
 from .lifecycle import Lifecycle, ReplicaState
-
-WEIGHTLESS_ENGINES = ("echo", "timing")  # engines that read no checkpoint
 
 
 @dataclass
@@ -54,7 +53,8 @@ class ReplicaSlot:
 
     @property
     def needs_weights(self) -> bool:
-        return self.spec.settings.engine not in WEIGHTLESS_ENGINES
+        engine = ENGINES.get(self.spec.settings.engine)  # an unknown engine fails in its replica
+        return engine is not None and engine.needs_weights
 
     @property
     def finished(self) -> bool:

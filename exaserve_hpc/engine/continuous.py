@@ -17,7 +17,8 @@ engine's batching window), ``prefill_batch_size`` (admissions per step),
 ``chunked_prefill`` / ``prefill_chunk_tokens``, ``enable_prefix_caching``,
 ``block_size`` and ``num_kv_blocks`` (default: room for ``max_batch_size``
 sequences of ``max_seq_len``), ``kv_events_endpoint`` (ZeroMQ PUB bind
-address for KV events; None = off).
+address for KV events; None = off) and ``kv_events_tokens`` (False: stored
+blocks are announced by hash only, without their token ids).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ContinuousBatchingEngine:
                chunked_prefill: bool = True, prefill_chunk_tokens: int = 512,
                enable_prefix_caching: bool = True, block_size: int = 16,
                num_kv_blocks: int | None = None, kv_events_endpoint: str | None = None,
-               replica_id: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+               kv_events_tokens: bool = True, replica_id: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         for name, value, low in (("max_seq_len", max_seq_len, 2),
                                  ("decode_batch_size", decode_batch_size, 1),
                                  ("block_size", block_size, 1)):
@@ -64,7 +65,7 @@ class ContinuousBatchingEngine:
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
                                    record_events=kv_events_endpoint is not None)
         self.scheduler = Scheduler(config, self.blocks)
-        self._events = KVEventPublisher(kv_events_endpoint, replica_id=replica_id) \
+        self._events = KVEventPublisher(kv_events_endpoint, replica_id=replica_id, with_tokens=kv_events_tokens) \
             if kv_events_endpoint is not None else None
         self._clock = clock
         self._live: dict[str, Sequence] = {}   # waiting or running, by request id

@@ -10,7 +10,7 @@ A subscriber that missed messages sees a gap in the sequence numbers and
 should drop what it knows of that replica (``AllBlocksCleared`` is also sent
 when the engine shuts down).
 
-Call protocol: ``pub = KVEventPublisher(endpoint, topic)``;
+Call protocol: ``pub = KVEventPublisher(endpoint, topic, with_tokens=...)``;
 ``pub.publish(events)`` after each engine step (no-op for an empty list;
 never blocks: a slow subscriber loses messages, the engine never waits);
 ``pub.close()``. ``decode_batch(payload)`` for subscribers.
@@ -27,7 +27,8 @@ import msgspec
 class BlockStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[int]          # consecutive blocks of one sequence, in order
     parent_block_hash: int | None    # hash of the block before the first; None at the start
-    token_ids: list[int]             # len(block_hashes) * block_size ids
+    token_ids: list[int]             # len(block_hashes) * block_size ids; [] from a publisher that withholds
+    #                                  prompts (replicas do: the subscriber side is not authenticated)
     block_size: int
 
 
@@ -65,7 +66,7 @@ class KVEventPublisher:
     """Binds a PUB socket on ``endpoint`` (e.g. ``tcp://*:5557``)."""
 
     def __init__(self, endpoint: str, topic: str = "kv-events", replica_id: str = "",
-                 high_water_mark: int = 100_000) -> None:
+                 high_water_mark: int = 100_000, with_tokens: bool = True) -> None:
         import zmq  # the transport seam: only this class touches ZeroMQ
 
         self._zmq = zmq
@@ -84,10 +85,14 @@ class KVEventPublisher:
         self._replica_id = replica_id
         self._seq = 0
         self.dropped = 0
+        self._with_tokens = with_tokens  # False: BlockStored goes out with token_ids=[] (hashes only)
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events or self._socket is None:
             return
+        if not self._with_tokens:
+            events = [BlockStored(e.block_hashes, e.parent_block_hash, [], e.block_size)
+                      if isinstance(e, BlockStored) else e for e in events]
         payload = encode_batch(KVEventBatch(ts=time.time(), events=list(events),
                                             replica_id=self._replica_id))
         frames = [self._topic, self._seq.to_bytes(8, "big"), payload]

@@ -30,6 +30,11 @@ Branches (the `Decision.reason`, counted by the dispatcher):
   how a very hot prefix spreads over more replicas;
 - ``balance``: nothing cached anywhere (or the match is below
   ``min_match_blocks``): plain load-weighted choice.
+
+Where the index comes from (``router.prefix_mode``): ``approximate``, the
+router's own decisions (`commit`); ``precise``, the engines' KV events only
+(the router subscribes to each replica's publisher, `on_kv_events`), hashed
+as the engine hashes, so an evicted prefix stops attracting requests.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Container, Optional, Sequence
 
-from .balancing import (
-    PolicyBase, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, WeightSettings, mean_latency_ms,
+from .balancing import (  # noqa: F401 - Decision is re-exported: callers know it as affinity's
+    Decision, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, WeightSettings, mean_latency_ms,
 )
 from .prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex
 
@@ -75,23 +80,18 @@ class AffinitySettings:
             raise ValueError(f"prefix affinity mode {self.mode!r} is unknown; choose {APPROXIMATE} or {PRECISE}")
 
 
-@dataclass
-class Decision:
-    """A routing choice; `PrefixAffinity.commit` records it in the index once the request is sent."""
-
-    replica_id: Optional[str]
-    matched_blocks: int = 0  # cached blocks the chosen replica is believed to hold
-    reason: str = "balance"  # affinity | spill | balance | none
-
-
 def prompt_hasher(mode: str, block_size: int, max_blocks: int = 1024) -> FastBlockHasher | EngineBlockHasher:
     """The block hasher of a router in ``mode``; gateways use it to hash prompts for the router."""
     return (EngineBlockHasher if mode == PRECISE else FastBlockHasher)(block_size, max_blocks)
 
 
-class PrefixAffinity(PolicyBase):
+class PrefixAffinity(RoutingPolicy):
     name = "prefix_affinity"
     uses_prefix = True
+
+    @classmethod
+    def from_site(cls, router, batching) -> "PrefixAffinity":
+        return cls(AffinitySettings.from_site(router, batching.prefill_chunk_tokens))
 
     def __init__(self, settings: Optional[AffinitySettings] = None, seed: Optional[int] = None, **overrides):
         self.settings = settings or AffinitySettings(**overrides)
@@ -109,6 +109,10 @@ class PrefixAffinity(PolicyBase):
         if hashes and scheme == self.hasher.scheme and len(hashes) == self.hasher.blocks(n):
             return RoutingKey(hashes, n, self.settings.block_size)
         return RoutingKey(self.hasher(prompt_token_ids), n, self.settings.block_size)
+
+    @property
+    def follows_kv_events(self) -> bool:
+        return self.settings.mode == PRECISE
 
     def forget(self, replica_id: str) -> None:
         self.index.forget(replica_id)
@@ -197,15 +201,13 @@ class PrefixAffinity(PolicyBase):
         return Decision(best.replica_id, best_depth, reason)
 
     def commit(self, decision: Decision, key: Optional[RoutingKey]) -> None:
-        """The request went where `route` said: the replica now (probably) holds its prefix.
+        """Approximate mode: the request went where `route` said, so that replica now (probably)
+        holds its prefix. Precise mode records nothing here: the index is what the engines said
+        they store and evict, not what the router hopes.
 
         Separate from `route` so the dispatcher can send the request first.
         """
+        if self.settings.mode == PRECISE:
+            return
         if decision.replica_id is not None and key is not None and key.block_hashes:
             self.index.record(decision.replica_id, key.block_hashes, decision.matched_blocks)
-
-    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
-               key: Optional[RoutingKey] = None) -> Optional[str]:
-        decision = self.route(candidates, exclude, key)
-        self.commit(decision, key)
-        return decision.replica_id

@@ -1,25 +1,30 @@
 """Which replica takes a request: pure policies over a snapshot of replica load.
 
 A policy sees only `ReplicaLoad` values (no sockets, no clock) and returns a
-replica id or None when no candidate can take the request. The router keeps
-the snapshot current from replica stats and its own outstanding counts.
+`Decision` (a replica id, or None when no candidate can take the request).
+The router keeps the snapshot current from replica stats and its own
+outstanding counts.
 
-Call protocol: ``choose(candidates, exclude, key)``. ``candidates`` is a
-`ReplicaPool` (the router's per-model registry: O(1) random access and
-running sums, so a choice never costs work proportional to the fleet) or a
-plain list in tests; ``exclude`` is any container of replica ids that must
-not be chosen (tried already, draining, breaker open); ``key`` is the
-request's `RoutingKey` (prompt block hashes) or None. Policies that keep
-state about replicas (the prefix index) also get ``forget(replica_id)`` when
-a replica leaves and ``on_kv_events(replica_id, events)`` from its engine.
+Every policy is a `RoutingPolicy`; its docstring is the call protocol the
+dispatcher follows. ``candidates`` is a `ReplicaPool` (the router's per-model
+registry: O(1) random access and running sums, so a choice never costs work
+proportional to the fleet) or a plain list in tests; ``exclude`` is any
+container of replica ids that must not be chosen (tried already, draining,
+breaker open); ``key`` is the request's `RoutingKey` (prompt block hashes)
+or None. `router/policies.py` holds the table of policies by name and the
+one factory.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Container, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Container, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ..config import BatchingConfig, RouterConfig
 
 
 @dataclass
@@ -108,11 +113,52 @@ def mean_latency_ms(candidates: Sequence[ReplicaLoad]) -> float:
     return sum(c.latency_ewma_ms for c in candidates) / len(candidates) if candidates else 0.0
 
 
-class PolicyBase:
-    """No-op hooks for policies that keep no per-replica state."""
+@dataclass
+class Decision:
+    """A routing choice; the policy's `commit` records it once the request is sent."""
 
-    name = "base"
-    uses_prefix = False  # True: the dispatcher hashes prompts into a RoutingKey for it
+    replica_id: Optional[str]
+    matched_blocks: int = 0  # cached blocks the chosen replica is believed to hold
+    reason: str = "balance"  # the policy's branch: affinity | spill | balance | none
+
+
+class RoutingPolicy(ABC):
+    """What the dispatcher calls, and when.
+
+    - ``routing_key(prompt_token_ids, hashes, scheme)``: once per request, only when
+      ``uses_prefix``; ``hashes`` are the gateway's, valid if ``scheme`` is the policy's.
+    - ``route(candidates, exclude, key) -> Decision``: for each dispatch attempt; changes
+      nothing the next `route` sees except random draws, so a decision can be dropped.
+    - ``commit(decision, key)``: the request was sent to ``decision.replica_id``.
+    - ``forget(replica_id)``: the replica left rotation (or restarted with a cold cache).
+    - ``on_kv_events(replica_id, events)``: its engine's KV events (engine/kv_events.py),
+      delivered only when ``follows_kv_events``: the router subscribes to the replicas'
+      publishers for such a policy and for no other.
+    - ``choose(...)``: route then commit, for callers that send at once (tests, benchmarks).
+    """
+
+    name: ClassVar[str]
+    uses_prefix: ClassVar[bool] = False  # True: the dispatcher hashes prompts into a RoutingKey for it
+
+    @classmethod
+    def from_site(cls, router: "RouterConfig", batching: "BatchingConfig") -> "RoutingPolicy":
+        """The policy a site's router section asks for (router.policy names the class)."""
+        return cls()
+
+    @property
+    def follows_kv_events(self) -> bool:
+        return False
+
+    def routing_key(self, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (),
+                    scheme: str = "") -> Optional[RoutingKey]:
+        return None
+
+    @abstractmethod
+    def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+              key: Optional[RoutingKey] = None) -> Decision: ...
+
+    def commit(self, decision: Decision, key: Optional[RoutingKey]) -> None:
+        pass
 
     def forget(self, replica_id: str) -> None:
         pass
@@ -120,25 +166,31 @@ class PolicyBase:
     def on_kv_events(self, replica_id: str, events: list) -> None:
         pass
 
+    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+               key: Optional[RoutingKey] = None) -> Optional[str]:
+        decision = self.route(candidates, exclude, key)
+        self.commit(decision, key)
+        return decision.replica_id
 
-class RoundRobin(PolicyBase):
+
+class RoundRobin(RoutingPolicy):
     name = "round_robin"
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
-               key: Optional[RoutingKey] = None) -> Optional[str]:
+    def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+              key: Optional[RoutingKey] = None) -> Decision:
         n = len(candidates)
         start = next(self._counter)
         for i in range(n):  # first usable one from the cursor: O(1) unless many are excluded
             c = candidates[(start + i) % n]
             if c.replica_id not in exclude:
-                return c.replica_id
-        return None
+                return Decision(c.replica_id)
+        return Decision(None, reason="none")
 
 
-class LeastLoad(PolicyBase):
+class LeastLoad(RoutingPolicy):
     """Lowest load wins; ties go to lower latency, then to the replica id (deterministic).
 
     A full scan: the baseline the load-weighted policy is measured against.
@@ -146,8 +198,8 @@ class LeastLoad(PolicyBase):
 
     name = "least_load"
 
-    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
-               key: Optional[RoutingKey] = None) -> Optional[str]:
+    def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+              key: Optional[RoutingKey] = None) -> Decision:
         best: Optional[ReplicaLoad] = None
         for c in candidates:
             if c.replica_id in exclude:
@@ -156,7 +208,7 @@ class LeastLoad(PolicyBase):
                 best.load, best.kv_used, best.latency_ewma_ms, best.replica_id
             ):
                 best = c
-        return best.replica_id if best else None
+        return Decision(best.replica_id) if best else Decision(None, reason="none")
 
 
 @dataclass
@@ -183,7 +235,7 @@ def replica_cost(c: ReplicaLoad, mean_latency: float, settings: WeightSettings) 
     return work * slow * (1.0 + settings.kv_weight * c.kv_used)
 
 
-class PowerOfTwo(PolicyBase):
+class PowerOfTwo(RoutingPolicy):
     """Load-weighted power of two choices.
 
     Draw two candidates at random, take the one of lower `replica_cost`; with
@@ -225,28 +277,16 @@ class PowerOfTwo(PolicyBase):
             picked += rest[:k - len(picked)]
         return picked
 
-    def choose(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
-               key: Optional[RoutingKey] = None) -> Optional[str]:
+    def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+              key: Optional[RoutingKey] = None) -> Decision:
         drawn = self.sample(candidates, exclude, self.settings.samples)
         if not drawn:
-            return None
+            return Decision(None, reason="none")
         mean = mean_latency_ms(candidates)
         drawn.sort(key=lambda c: (replica_cost(c, mean, self.settings), c.replica_id))
         if len(drawn) > 1 and self.rng.random() < self.settings.explore:
-            return drawn[-1].replica_id
-        return drawn[0].replica_id
-
-
-def make_policy(name: str, **options) -> PolicyBase:
-    if name == "prefix_affinity":
-        from .affinity import PrefixAffinity
-        return PrefixAffinity(**options)
-    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "power_of_two": PowerOfTwo}
-    try:
-        return policies[name](**options)
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of "
-                         f"{', '.join([*policies, 'prefix_affinity'])}") from None
+            return Decision(drawn[-1].replica_id)
+        return Decision(drawn[0].replica_id)
 
 
 def candidates_for(model: str, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:

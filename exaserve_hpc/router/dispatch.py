@@ -30,7 +30,7 @@ from typing import Optional
 from ..protocol import (
     Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
 )
-from .balancing import PolicyBase, ReplicaLoad, ReplicaPool, RoutingKey
+from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
 from .breaker import BreakerState, CircuitBreaker
 from .canary import RolloutTable
 from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
@@ -41,10 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    def __init__(self, policy: PolicyBase, settings: DispatchSettings, known_models: set[str], rollouts=None):
-        self.policy = policy
-        self._uses_prefix = getattr(policy, "uses_prefix", False)
-        self._policy_route = getattr(policy, "route", None)  # policies that explain their choice (Decision)
+    def __init__(self, policy: RoutingPolicy, settings: DispatchSettings, known_models: set[str], rollouts=None):
+        self.policy = policy  # called as RoutingPolicy's docstring says (balancing.py)
+        self._uses_prefix = policy.uses_prefix
         self.settings = settings
         self.known_models = set(known_models)
         self.rollouts = rollouts if rollouts is not None else RolloutTable()  # which version takes a request
@@ -128,17 +127,22 @@ class Dispatcher:
             pool.remove(replica_id)
         self.unavailable.discard(replica_id)
         self.open_breakers.discard(replica_id)
-        getattr(self.policy, "forget", lambda r: None)(replica_id)
+        self.policy.forget(replica_id)
         return entry
 
     def _pools_of(self, entry: ReplicaEntry) -> list[ReplicaPool]:
         model = entry.load.model
         return [p for p in (self.pools.get(model), self.version_pools.get((model, entry.version))) if p is not None]
 
+    @property
+    def follows_kv_events(self) -> bool:
+        """Whether the router should subscribe to the replicas' KV events (precise prefix routing)."""
+        return self.policy.follows_kv_events
+
     def on_kv_events(self, replica_id: str, events: list) -> None:
         """KV events of a replica's engine (precise prefix routing); ignored for unknown replicas."""
-        if replica_id in self.replicas:
-            getattr(self.policy, "on_kv_events", lambda r, e: None)(replica_id, events)
+        if replica_id in self.replicas and self.policy.follows_kv_events:
+            self.policy.on_kv_events(replica_id, events)
 
     def replica_lost(self, replica_id: str, cause: str, now: float, expected: bool = False) -> list[Outgoing]:
         """Drop a replica from rotation and move its in-flight requests elsewhere."""
@@ -233,13 +237,11 @@ class Dispatcher:
         return self.pools.get(model) or ReplicaPool()
 
     def _route(self, candidates: ReplicaPool, exclude, key: Optional[RoutingKey]) -> tuple[Optional[str], int]:
-        if self._policy_route is not None:
-            decision = self._policy_route(candidates, exclude, key)
-            if decision.replica_id is not None:
-                self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
-                self.policy.commit(decision, key)
-            return decision.replica_id, decision.matched_blocks
-        return self.policy.choose(candidates, exclude, key), 0
+        decision = self.policy.route(candidates, exclude, key)
+        if decision.replica_id is not None:
+            self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+            self.policy.commit(decision, key)
+        return decision.replica_id, decision.matched_blocks
 
     def _dispatch(self, entry: Inflight, now: float) -> list[Outgoing]:
         request = entry.request

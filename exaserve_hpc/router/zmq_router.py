@@ -2,16 +2,18 @@
 
 frontend (bind): gateways and native clients connect DEALER sockets.
 backend  (bind): replicas connect DEALER sockets whose identity is their replica id.
-kv events (SUB, connects): to each replica whose hello names a KV-event
-  endpoint (engine/kv_events.py), for precise prefix routing; a gap in a
-  replica's sequence numbers makes the router forget what it knew of it.
+kv events (SUB, connects): when the routing policy follows KV events
+  (router.prefix_mode: precise), to each replica whose hello names a KV-event
+  endpoint (engine/kv_events.py); a gap in a replica's sequence numbers makes
+  the router forget what it knew of it.
 
 With `curve` (bootstrap.CurveKeys, under `exaserve launch`) frontend and
 backend are CURVE servers that admit only the job's client key (ZAP): the
 router listens on every interface there, and a stranger must neither register
 as a replica (and read prompts) nor send requests past the gateway's API keys.
-The KV-event SUB stays plain: it carries block hashes and sequence numbers,
-not prompts, and it only connects to endpoints an admitted replica named.
+The KV-event SUB stays plain: replicas publish block hashes and sequence
+numbers, not prompts (they withhold the token ids), and it only connects to
+endpoints an admitted replica named.
 
 The thread polls both sockets with a short timeout, hands every decoded
 message to the transport-free `Dispatcher`, sends what it returns, and runs
@@ -211,7 +213,7 @@ class ZmqRouter:
     def _on_backend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
         message = decode(payload)
         replica_id = peer.decode(errors="replace")
-        if isinstance(message, ReplicaHello) and message.kv_events_endpoint:
+        if isinstance(message, ReplicaHello) and message.kv_events_endpoint and self.dispatcher.follows_kv_events:
             self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
         return self.dispatcher.on_replica_message(replica_id, message, self.clock())
 

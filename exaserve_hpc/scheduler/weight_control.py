@@ -31,12 +31,13 @@ log = logging.getLogger("exaserve.controller")  # these lines were the controlle
 
 
 def model_bytes(site: SiteConfig) -> dict[str, int]:
-    """Checkpoint size per model with weights in the shared store (echo/timing models have none)."""
+    """Checkpoint size per model with weights in the shared store (engines without weights have none)."""
     from ..cache.l3_store import manifest_bytes
     from ..cache.manifest import CheckpointError
+    from ..engine.registry import engine_spec
     sizes = {}
     for model in site.models:
-        if model.engine in ("echo", "timing"):
+        if not engine_spec(model.engine).needs_weights:
             continue
         try:
             sizes[model.model_name] = manifest_bytes(site.model_dir(model))

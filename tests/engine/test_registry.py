@@ -53,3 +53,20 @@ def test_an_engine_whose_package_is_missing_names_the_install(monkeypatch):
     with pytest.raises(EngineError, match=r"pip install 'exaserve-hpc\[trtllm\]'"):
         build_engine(replica("trtllm"))
     assert list(unavailable_engines(["reference", "trtllm", "trtllm"])) == ["trtllm"]
+
+
+def test_config_allows_the_registry_engines_and_check_warns_for_a_missing_package(monkeypatch, capsys):
+    from exaserve_hpc import cli
+    from exaserve_hpc.config import ConfigError, parse_site
+
+    with pytest.raises(ConfigError, match="allowed: 'reference', 'echo', 'timing' or 'trtllm'"):
+        parse_site({"site": "x", "models": [{"model_name": "a", "engine": "vllm"}]})
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "tensorrt_llm" else object())
+    site = parse_site({"site": "x", "models": [{"model_name": "a", "engine": "trtllm"},
+                                               {"model_name": "b", "engine": "reference"}]})
+    assert site.engine_warnings() == [f"models[0].engine: {ENGINES['trtllm'].missing_package_message()} (model a)"]
+    assert cli.main(["config", "check", "small16-a100"]) == 0  # a warning, not a failure
+    captured = capsys.readouterr()
+    assert "small16-a100: ok" in captured.out
+    assert "warning: models[0].engine: engine 'trtllm' needs the Python package 'tensorrt_llm'" in captured.err
+    assert TRTLLM_INSTALL in captured.err

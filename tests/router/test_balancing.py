@@ -6,9 +6,8 @@ from collections import Counter
 
 import pytest
 
-from exaserve_hpc.router.balancing import (
-    PowerOfTwo, ReplicaLoad, ReplicaPool, WeightSettings, make_policy, replica_cost,
-)
+from exaserve_hpc.router.balancing import PowerOfTwo, ReplicaLoad, ReplicaPool, WeightSettings, replica_cost
+from exaserve_hpc.router.policies import make_policy
 
 
 def pool_of(*loads: ReplicaLoad) -> ReplicaPool:

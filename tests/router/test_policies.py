@@ -1,0 +1,50 @@
+"""Routing policies behind one declared interface, built by one factory from the site's router section."""
+
+from __future__ import annotations
+
+import pytest
+
+from exaserve_hpc.config import parse_site
+from exaserve_hpc.engine.kv_events import BlockStored
+from exaserve_hpc.protocol import ReplicaHello
+from exaserve_hpc.router.balancing import Decision, ReplicaLoad, RoutingPolicy
+from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
+from exaserve_hpc.router.policies import POLICY_NAMES, make_policy, policy_for_site
+
+
+def site_with(**router):
+    return parse_site({"site": "t", "models": [{"model_name": "m"}], "router": router})
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_name_builds_a_routing_policy_from_the_site(name):
+    site = site_with(policy=name)
+    policy = policy_for_site(site.router, site.batching)
+    assert isinstance(policy, RoutingPolicy) and policy.name == name
+    loads = [ReplicaLoad(f"r{i}", "m", i, 8) for i in range(3)]
+    decision = policy.route(loads, {"r0"}, policy.routing_key([1] * 40) if policy.uses_prefix else None)
+    assert isinstance(decision, Decision) and decision.replica_id in ("r1", "r2")
+    assert policy.route(loads, {"r0", "r1", "r2"}, None).replica_id is None
+    assert not policy.follows_kv_events  # approximate is the default
+
+
+def test_a_policy_without_route_cannot_exist():
+    class Half(RoutingPolicy):
+        name = "half"
+
+    with pytest.raises(TypeError, match="route"):
+        Half()
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'; choose one of round_robin, least_load"):
+        make_policy("nope")
+
+
+def test_only_a_precise_policy_follows_kv_events_through_the_dispatcher():
+    hashes = [11, 12]
+    stored = [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=16)]
+    for mode, follows in (("approximate", False), ("precise", True)):
+        site = site_with(policy="prefix_affinity", prefix_mode=mode)
+        d = Dispatcher(policy_for_site(site.router, site.batching), DispatchSettings(), {"m"})
+        assert d.follows_kv_events is follows
+        d.register("r1", ReplicaHello(replica_id="r1", model="m", pid=1, max_batch_size=8, max_seq_len=64), 0.0)
+        d.on_kv_events("r1", stored)
+        assert dict(d.policy.index.match(hashes)).get("r1", 0) == (2 if follows else 0)
