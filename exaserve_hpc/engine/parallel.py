@@ -8,8 +8,9 @@ A replica is ``tp * pp`` ranks of one communicator; rank = stage * tp + shard.
   ``w_down`` are summed by an all-reduce in the stage's TP communicator.
 - Pipeline parallelism: stage s holds a contiguous run of layers (the first
   stages take one more when they do not divide); stage 0 embeds, the last
-  stage computes logits, hidden states travel by Send/Recv between the same
-  shard of consecutive stages (on a cluster, stages sit on different nodes).
+  stage computes logits, hidden states travel between the same shard of
+  consecutive stages over an ``MpiStageLink`` (``stage_link.py``: the seam
+  the ZeroMQ stages of ``pipeline_stages.py`` use across nodes too).
 - Rank 0 (stage 0, shard 0) leads: it runs ``ParallelReferenceEngine``
   (scheduler, block manager, sampling) and each step broadcasts the work
   (token ids, block tables, K/V already held) to the replica; the last
@@ -42,6 +43,7 @@ from exaserve_hpc.engine.latency_stats import LatencyStats
 from exaserve_hpc.engine.model import LayerWeights, LlamaModel
 from exaserve_hpc.engine.reference import WARMUP_PROMPT, WARMUP_TOKENS, ReferenceEngine
 from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
+from exaserve_hpc.engine.stage_link import MpiStageLink
 from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
 MPI_HINT = "pip install 'exaserve-hpc[mpi]' (and an MPI library, e.g. apt-get install openmpi-bin libopenmpi-dev)"
@@ -84,7 +86,9 @@ def shard_model(model: LlamaModel, tp: int, shard: int, layers: range) -> LlamaM
 
 
 class StageRunner:
-    """One rank's part of a forward pass (the MPI seam of this module)."""
+    """One rank's part of a forward pass: the step's work arrives by broadcast, hidden states
+    and logits by the ring of ``MpiStageLink`` (shard r of stage s -> shard r of s + 1; shard 0
+    of the last stage -> rank 0)."""
 
     def __init__(self, comm, tp_comm, model: LlamaModel, kv: PagedKVCache, tp: int, pp: int):
         from mpi4py import MPI
@@ -98,7 +102,10 @@ class StageRunner:
                 tp_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
                 return buf
             model.reduce = allreduce
-        self._last_shard0 = (pp - 1) * tp
+        last = self.stage == pp - 1
+        next_rank = comm.rank + tp if not last else (0 if self.shard == 0 and comm.rank != 0 else None)
+        prev_rank = comm.rank - tp if self.stage > 0 else ((pp - 1) * tp if comm.rank == 0 and pp > 1 else None)
+        self.link = MpiStageLink(comm, next_rank, prev_rank)
 
     def broadcast(self, work: list | None) -> list | None:
         """Leader: send the step's work (None = stop); others: receive it."""
@@ -110,24 +117,18 @@ class StageRunner:
         leader returns the logits [chunks, vocab], other ranks None."""
         caches = [self.kv.view(table, start) for _, table, start in work]
         batch = self.model.prepare([ids for ids, _, _ in work], caches)
-        if self.stage == 0:
-            x = self.model.embed[batch.flat]
-        else:
-            x = np.empty((len(batch.flat), self.model.embed.shape[1]), np.float32)
-            self.comm.Recv(x, source=self.comm.rank - self.tp)
+        # The work came by broadcast: the ring's headers carry nothing.
+        x = self.model.embed[batch.flat] if self.stage == 0 else self.link.receive()[1]
         x = self.model.run_layers(x, batch, caches)
         if self.stage < self.pp - 1:
-            self.comm.Send(np.ascontiguousarray(x, np.float32), dest=self.comm.rank + self.tp)
+            self.link.send(None, np.ascontiguousarray(x, np.float32))
             logits = None
         else:
             logits = np.ascontiguousarray(self.model.logits(x, batch), np.float32)
         if self.comm.rank == 0:
-            if logits is None:
-                logits = np.empty((len(work), self.model.vocab_size), np.float32)
-                self.comm.Recv(logits, source=self._last_shard0)
-            return logits
-        if self.comm.rank == self._last_shard0:
-            self.comm.Send(logits, dest=0)
+            return logits if logits is not None else self.link.receive()[1]
+        if self.link.next_rank == 0:  # shard 0 of the last stage
+            self.link.send(None, logits)
         return None
 
     def serve(self) -> None:

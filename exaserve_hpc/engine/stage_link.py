@@ -1,0 +1,258 @@
+"""Point-to-point links between the stages of a pipeline-parallel replica: one seam, two transports.
+
+A replica of ``pp`` stages is a ring: stage k sends hidden states to stage k+1, and the last stage
+sends the logits back to stage 0. Every message is (header, array): the header is a small
+MessagePack-able value (what the receiver must do, the token ids, block tables), the array the
+activations or logits. ``StageLink`` is the seam; an engine's stage code never knows which one it has:
+
+- ``ZmqStageLink``: processes on different nodes, started by their nodes' agents (the CPU reference
+  engine). Stage k binds a PULL socket on the address it uses to reach the controller and connects
+  a PUSH socket to the next stage's PULL. With the job's CURVE keys (the agent names the job
+  directory to its replicas) the PULL admits only peers holding the job's client secret.
+- ``MpiStageLink``: ranks of one MPI communicator (``parallel.py`` under ``mpirun``).
+- A GPU transport (NCCL send/recv of device buffers) would be a third class with the same methods.
+
+How ZeroMQ stages find each other (the simplest scheme that needs no shared file system and no
+port the controller would have to guess free): each stage binds on a free port, then says
+``StageHello(key, rank, endpoint)`` to the controller (``agent/pipeline_stage.py``), repeating it
+once a second until the controller's ``StageTable`` holds every rank of that start attempt's key;
+then it connects to the next rank's endpoint. A stage that never appears fails the others after
+``rendezvous_timeout`` with a message naming the stage and its node; a stage whose agent reports a
+failure fails them at once (the table carries the reason).
+
+Liveness, without threads in the engine: both sockets run ZeroMQ heartbeats (a peer process that
+dies closes its TCP connection at once; a lost node stops answering heartbeats within ``timeout``)
+and a socket monitor reports the disconnect. A thread of the link reads only the monitors and records
+the first loss in ``lost`` (and calls ``on_lost``); ``send`` and ``receive`` raise ``LinkError``
+once it is set, so a stage never hangs on a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket as pysocket
+import threading
+from typing import Any, Callable, Optional, Protocol
+
+import msgspec
+import numpy as np
+
+log = logging.getLogger("exaserve.stage_link")
+
+POLL_SLICE_MS = 100  # how often a waiting receive looks at `lost`
+
+
+class LinkError(RuntimeError):
+    """A peer stage is gone or did not answer in time; the message names the stage and its node."""
+
+
+class StageLink(Protocol):
+    """The hops of one stage: to the next stage of the ring, from the previous one."""
+
+    def send(self, header: Any, array: np.ndarray) -> None:
+        """Hand (header, array) to the next stage; LinkError if it is gone."""
+
+    def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
+        """The next (header, array) from the previous stage; None waits as long as the peer lives."""
+
+    def close(self) -> None:
+        """Release the sockets (or nothing: MPI's communicator belongs to its caller)."""
+
+
+def _pack(header: Any, array: np.ndarray) -> bytes:
+    return msgspec.msgpack.encode([header, array.dtype.str, list(array.shape)])
+
+
+def _unpack(meta: bytes) -> tuple[Any, np.dtype, tuple[int, ...]]:
+    header, dtype, shape = msgspec.msgpack.decode(meta)
+    return header, np.dtype(dtype), tuple(shape)
+
+
+def stage_name(rank: int, nodes: list[str]) -> str:
+    """'stage 1 on node b' (or just 'stage 1' when the node is not known)."""
+    return f"stage {rank} on node {nodes[rank]}" if rank < len(nodes) and nodes[rank] else f"stage {rank}"
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent): where a stage binds, so
+    that it listens on the network its peers reach the controller by, never on a wildcard."""
+    host = host.strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    infos = pysocket.getaddrinfo(host, 9, type=pysocket.SOCK_DGRAM)
+    family, _, _, _, addr = infos[0]
+    with pysocket.socket(family, pysocket.SOCK_DGRAM) as probe:
+        probe.connect(addr)
+        return probe.getsockname()[0]
+
+
+class ZmqStageLink:
+    """Stage ``rank`` of ``size`` over ZeroMQ; see the module docstring.
+
+    Call protocol: ``link = ZmqStageLink(rank, size, nodes, host)``; publish ``link.endpoint``;
+    ``link.connect(endpoint of rank + 1 mod size)``; then ``send`` / ``receive``; ``close``.
+    """
+
+    def __init__(self, rank: int, size: int, nodes: list[str], host: str = "127.0.0.1", *,
+                 timeout: float = 15.0, curve=None, context=None,
+                 on_lost: Optional[Callable[[str], None]] = None):
+        import zmq
+
+        self.rank, self.size, self.nodes, self.timeout = rank, size, list(nodes), timeout
+        self.prev, self.next = (rank - 1) % size, (rank + 1) % size
+        self.context = context or zmq.Context()
+        self._own_context = context is None
+        self.curve = curve
+        self.on_lost = on_lost
+        self.lost = ""  # why the link is broken, once it is
+        self._zap = None
+        self.inbound = self._socket(zmq.PULL)
+        if curve is not None:
+            from ..bootstrap import CurveKeys, secure_server
+            # Stages are peers holding the same job client keypair: each end proves it has the secret.
+            own = CurveKeys(curve.client_public, curve.client_secret, curve.client_public, curve.client_secret)
+            self._zap = secure_server(self.inbound, own, self.context, "stage link")
+        port = self.inbound.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host if ':' not in host else f'[{host}]'}:{port}"
+        self.outbound = None
+        self._monitors = [(self.inbound.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
+                           stage_name(self.prev, self.nodes), "sending to us")]
+        self._stop = threading.Event()
+        self._watchdog: Optional[threading.Thread] = None
+
+    def _socket(self, kind):
+        import zmq
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        ivl = max(100, int(self.timeout * 1000 / 5))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)  # a node that vanished stops answering these
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.timeout * 1000))
+        return sock
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to the next stage's inbound endpoint and start watching both peers."""
+        import zmq
+        self.outbound = self._socket(zmq.PUSH)
+        self.outbound.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not (or no longer) connected
+        self.outbound.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
+        if self.curve is not None:
+            from ..bootstrap import CurveKeys, secure_client
+            c = self.curve
+            secure_client(self.outbound, CurveKeys(c.client_public, b"", c.client_public, c.client_secret))
+        self._monitors.append((self.outbound.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED),
+                               stage_name(self.next, self.nodes), "we send to"))
+        self.outbound.connect(endpoint)
+        self.next_endpoint = endpoint
+        self._watchdog = threading.Thread(target=self._watch, name=f"stage-link-{self.rank}", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Record the first disconnect of a peer that had connected (the monitor sockets are this thread's)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        seen = [False] * len(self._monitors)
+        poller = zmq.Poller()
+        for monitor, _, _ in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
+        while not self._stop.is_set() and not self.lost:
+            ready = dict(poller.poll(POLL_SLICE_MS))
+            for index, (monitor, peer, role) in enumerate(self._monitors):
+                if monitor not in ready:
+                    continue
+                event = recv_monitor_message(monitor)["event"]
+                if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                    seen[index] = True
+                elif event == zmq.EVENT_DISCONNECTED and seen[index]:
+                    self._lose(f"{peer} ({role}) went away: its process exited or its node stopped "
+                               f"answering for {self.timeout:g}s")
+
+    def _lose(self, why: str) -> None:
+        if self.lost:
+            return
+        self.lost = why
+        log.error("pipeline stage %d: %s", self.rank, why)
+        if self.on_lost is not None:
+            self.on_lost(why)
+
+    def send(self, header: Any, array: np.ndarray) -> None:
+        import zmq
+        if self.lost:
+            raise LinkError(self.lost)
+        if self.outbound is None:
+            raise LinkError(f"stage {self.rank} has no link to {stage_name(self.next, self.nodes)} yet")
+        array = np.ascontiguousarray(array)
+        try:
+            self.outbound.send_multipart([_pack(header, array), memoryview(array).cast("B")], copy=True)
+        except zmq.Again:
+            self._lose(f"{stage_name(self.next, self.nodes)} did not take activations within "
+                       f"{self.timeout:g}s at {self.next_endpoint}")
+            raise LinkError(self.lost) from None
+
+    def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.lost:
+                raise LinkError(self.lost)
+            if self.inbound.poll(POLL_SLICE_MS):
+                meta, data = self.inbound.recv_multipart(copy=True)
+                header, dtype, shape = _unpack(meta)
+                return header, np.frombuffer(data, dtype).reshape(shape)
+            if deadline is not None and time.monotonic() > deadline:
+                raise LinkError(f"nothing from {stage_name(self.prev, self.nodes)} within {timeout:g}s")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(2)
+        for sock in (self.inbound, self.outbound):
+            if sock is not None:
+                try:
+                    sock.disable_monitor()
+                except Exception:  # already closed or never monitored
+                    pass
+        for monitor, _, _ in self._monitors:
+            monitor.close(linger=0)
+        for sock in (self.inbound, self.outbound):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        if self._own_context:
+            self.context.term()
+
+
+class MpiStageLink:
+    """The same hops between ranks of an MPI communicator (``parallel.py``).
+
+    ``next_rank``/``prev_rank`` None: this rank sends / receives nothing on the ring (e.g. tensor
+    shards other than 0 of the last stage). MPI ranks live and die together under ``mpirun``, so
+    ``receive`` ignores its timeout: a lost rank ends the whole job.
+    """
+
+    HEADER_TAG, DATA_TAG = 11, 12
+
+    def __init__(self, comm, next_rank: Optional[int], prev_rank: Optional[int]):
+        self.comm, self.next_rank, self.prev_rank = comm, next_rank, prev_rank
+
+    def send(self, header: Any, array: np.ndarray) -> None:
+        from mpi4py import MPI
+        array = np.ascontiguousarray(array)
+        self.comm.Send([_pack(header, array), MPI.BYTE], dest=self.next_rank, tag=self.HEADER_TAG)
+        self.comm.Send(array, dest=self.next_rank, tag=self.DATA_TAG)
+
+    def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
+        from mpi4py import MPI
+        status = MPI.Status()
+        self.comm.Probe(source=self.prev_rank, tag=self.HEADER_TAG, status=status)
+        meta = bytearray(status.Get_count(MPI.BYTE))
+        self.comm.Recv([meta, MPI.BYTE], source=self.prev_rank, tag=self.HEADER_TAG)
+        header, dtype, shape = _unpack(bytes(meta))
+        array = np.empty(shape, dtype)
+        self.comm.Recv(array, source=self.prev_rank, tag=self.DATA_TAG)
+        return header, array
+
+    def close(self) -> None:
+        pass
