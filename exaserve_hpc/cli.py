@@ -92,11 +92,13 @@ def render_status(status: dict, url: str) -> None:
     if status.get("models"):
         out.print(_models_table(status["models"]))
     replicas = Table(title="replicas")
-    for column in ("replica", "model", "state", "node", "pid", "endpoint", "queue", "in flight", "restarts", "weights"):
+    for column in ("replica", "model", "state", "node", "devices", "pid", "endpoint", "queue", "in flight", "restarts",
+                   "weights"):
         replicas.add_column(column)
     for r in status.get("replicas", []):
         model = f"{r['model']}@{r['version']}" if r.get("version") else r["model"]
-        replicas.add_row(r["replica_id"], model, r["state"], str(r["node"] or "-"), str(r["pid"] or "-"),
+        devices = ",".join(r.get("devices") or ["-"])  # the replica's CUDA_VISIBLE_DEVICES
+        replicas.add_row(r["replica_id"], model, r["state"], str(r["node"] or "-"), devices, str(r["pid"] or "-"),
                          str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]),
                          _weights_column(r))
     out.print(replicas)

@@ -51,7 +51,7 @@ def controller_status(ctl: "Controller") -> dict:
                  "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
                  "restarts": r.restarts, "detail": r.detail, "load_progress": r.load_progress,
                  "load_bytes_done": r.load_bytes_done, "load_bytes_total": r.load_bytes_total,
-                 "load_source": r.load_source}
+                 "load_source": r.load_source, "devices": replica_devices(ctl.agents.get(r.agent_id), r.replica_id)}
                 for r in ctl.replicas.values()
             ],
             "models": models_summary(ctl),
@@ -90,3 +90,12 @@ def restored_summary(state) -> Optional[dict]:
             "quota": {g: list(v) for g, v in state.quota.items()},
             "rollout": {m: [r.version, r.stage, r.weight] for m, r in state.rollout.items()},
             "excluded_nodes": list(state.excluded_nodes)}
+
+
+def replica_devices(agent, replica_id: str) -> list[str]:
+    """What the replica's CUDA_VISIBLE_DEVICES holds: its reservation's devices as its node's memory pool
+    names them (agent/gpu_binding.py binds exactly those); [] on a CPU node or while it holds none."""
+    memory = agent.memory if agent is not None else None
+    if memory is None or not memory.device_ids:
+        return []
+    return [memory.device_ids[i] for i in memory.devices.get(replica_id, []) if 0 <= i < len(memory.device_ids)]

@@ -185,3 +185,67 @@ def test_a_replica_is_pinned_to_the_cpus_nvml_calls_near_its_gpu(tmp_path):
     finally:
         agent.close()
     assert os.sched_getaffinity(0) == before  # the agent's own thread got its CPUs back
+
+
+def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_them(tmp_path):
+    """A real controller thread, a real agent process granted gpu:4 by Slurm's variables, real replica
+    processes: status()["replicas"][i]["devices"] (what `exaserve status --json` prints) is each replica's
+    CUDA_VISIBLE_DEVICES, entry for entry, and the status table shows it. The router is the controller
+    tests' stand-in (tests/test_controller.py) with a real socket where the replicas say hello."""
+    import io
+
+    import yaml
+    from rich.console import Console
+
+    from exaserve_hpc import cli
+    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.scheduler.controller import Controller
+    from tests.test_controller import FakeRouter
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml").read_text())
+    data["cluster"].update(gpus_per_node=4, gpu_memory="1GiB")
+    data["models"][0].update(engine="echo", replicas=3)
+    data["models"][0].pop("tiny")
+    data["weight_cache"]["l3_path"] = str(tmp_path / "models")
+    site = parse_site(data)
+    context = zmq.Context()
+    backend = context.socket(zmq.ROUTER)
+    backend.setsockopt(zmq.LINGER, 0)
+    router = FakeRouter()
+    router.backend_endpoint = f"tcp://127.0.0.1:{backend.bind_to_random_port('tcp://127.0.0.1')}"
+    controller = Controller(site, router, host="127.0.0.1").start()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_"))}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller.endpoint, "--agent-id",
+         site.cluster.hostnames()[0], "--heartbeat", "0.3", "--l2-dir", str(tmp_path / "l2"), "--gpus-per-node", "4",
+         "--memory-pool", "1GiB"], env={**clean, **STEP}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            while backend.poll(0):
+                backend.recv_multipart()
+            replicas = controller.status()["replicas"]
+            if len(replicas) == 3 and all(r["pid"] and r["devices"] for r in replicas):
+                break
+            assert time.monotonic() < deadline and agent.poll() is None, (replicas, agent.poll())
+            time.sleep(0.2)
+        for r in replicas:
+            assert environ_of(r["pid"])["CUDA_VISIBLE_DEVICES"].split(",") == r["devices"], r
+            assert set(r["devices"]) <= {"0", "1", "2", "3"}
+        console = Console(file=io.StringIO(), width=250)
+        cli.out, saved = console, cli.out
+        try:
+            cli.render_status(controller.status(), "http://test")
+        finally:
+            cli.out = saved
+        rows = [line for line in console.file.getvalue().splitlines() if "tiny-llama/r000" in line]
+        for r in replicas:
+            assert any(r["replica_id"] in row and f" {','.join(r['devices'])} " in row for row in rows), rows
+    finally:
+        controller.shutdown(drain_timeout=2.0, wait=15.0)
+        try:
+            agent.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        controller.stop()
+        context.destroy(linger=0)
