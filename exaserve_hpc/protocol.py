@@ -13,6 +13,8 @@ Who sends what:
                          RequestError, ReplicaBye
   agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent, LoadFailed
   controller -> agent    StartReplica, StopReplica, Shutdown, Prefetch
+  pipeline stage -> controller  StageHello (rendezvous: where its link listens)
+  controller -> pipeline stage  StageTable (every stage's link endpoint, once all said hello)
 """
 
 from __future__ import annotations
@@ -213,6 +215,23 @@ class EngineSettings(msgspec.Struct, omit_defaults=True):
     options: dict[str, float] = {}  # engine-specific knobs, passed as keyword arguments
 
 
+class PipelineStage(msgspec.Struct, omit_defaults=True):
+    """One stage process of a pipeline-parallel replica (scheduler/pipeline.py, engine/stage_link.py).
+
+    Stage 0 is the replica's leader: it registers with the router and drives generation; stages
+    1.. run their layers on activations from the stage before and pass them on (the last returns
+    logits to stage 0). All stages of one start attempt share `key`; they find each other by
+    saying StageHello to `rendezvous`.
+    """
+    rank: int
+    size: int
+    key: str  # this start attempt: stages of different attempts never link up
+    rendezvous: str  # ZeroMQ endpoint (the controller's) where stages publish their link endpoints
+    nodes: list[str] = []  # each stage's node (agent id), for errors that name it
+    timeout: float = 15.0  # seconds of silence on a link after which the peer stage counts as lost
+    rendezvous_timeout: float = 300.0  # seconds to wait for every stage to appear (weights may load first)
+
+
 class StartReplica(_Msg, tag="start"):
     replica_id: str
     model: str
@@ -233,6 +252,22 @@ class StartReplica(_Msg, tag="start"):
     kv_snapshot_max_blocks: int = 0  # blocks written at most; 0: every cached block
     coalesce_ms: float = 20.0  # token chunks to the router are flushed after this long ...
     coalesce_tokens: int = 16  # ... or this many tokens (router.coalesce_ms / coalesce_tokens)
+    stage: Optional[PipelineStage] = None  # None: not a pipeline stage (the whole model in one process)
+
+
+class StageHello(_Msg, tag="stage_hello"):
+    """A pipeline stage's link endpoint, sent (and repeated) until the StageTable is complete."""
+    key: str
+    rank: int
+    endpoint: str
+    node: str = ""
+
+
+class StageTable(_Msg, tag="stage_table"):
+    """Every stage's link endpoint by rank ("" = not yet seen), and why the attempt failed if it did."""
+    key: str
+    endpoints: list[str]
+    failed: str = ""  # e.g. "stage 1 on node b failed: reserve failed: ..."; "" = no failure known
 
 
 class StopReplica(_Msg, tag="stop"):
@@ -269,7 +304,7 @@ Message = Union[
     GenerateRequest, Abort, TokenChunk, RequestError,
     ReplicaHello, ReplicaStats, ReplicaBye, Drain,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
-    Prefetch, LoadFailed, HeartbeatAck,
+    Prefetch, LoadFailed, HeartbeatAck, StageHello, StageTable,
 ]
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
