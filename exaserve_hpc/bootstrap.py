@@ -1,7 +1,7 @@
 """Bootstrap of one Slurm job: who am I (role by rank), who else is there (inventories), where is
 the controller and how do we trust it (address + CURVE keys in the job directory).
 
-    rank = detect_rank()                  # MPI rank under mpirun (mpi4py), else SLURM_PROCID, else 0 of 1
+    rank = detect_rank()                  # MPI rank under mpirun (mpi4py), else the batch system's (jobenv/)
     role = role_for(rank.rank)            # Role.CONTROLLER for rank 0, Role.AGENT otherwise
     jobdir = JobDir(path)                 # files mode 0600, written atomically
 
@@ -66,22 +66,9 @@ def _mpi_comm():
 
 
 def detect_rank(env: Optional[Mapping[str, str]] = None, comm: Any = None) -> RankInfo:
-    """MPI rank under MPI; SLURM_PROCID/SLURM_NTASKS under srun; rank 0 of 1 otherwise."""
-    env = os.environ if env is None else env
-    node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    job_id = env.get("SLURM_JOB_ID", "local")
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    if comm is None and under_mpi(env):
-        try:
-            comm = _mpi_comm()
-        except ImportError as exc:
-            raise BootstrapError(f"launched by MPI ({', '.join(v for v in MPI_RANK_VARIABLES if v in env)} is set) "
-                                 f"but mpi4py does not import: {exc}; pip install mpi4py") from exc
-    if comm is not None:
-        return RankInfo(comm.Get_rank(), comm.Get_size(), node, job_id, restart, "mpi")
-    if "SLURM_PROCID" in env:
-        return RankInfo(int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", "1")), node, job_id, restart, "slurm")
-    return RankInfo(0, 1, node, job_id, restart, "local")
+    """MPI rank under MPI; the batch system's (jobenv/: SLURM_PROCID/SLURM_NTASKS) in a job; 0 of 1 otherwise."""
+    from .jobenv import detect_job_environment
+    return detect_job_environment(env).rank_info(comm)
 
 
 @dataclass

@@ -34,7 +34,7 @@ def _load(site_arg: Optional[str]):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .launch import ServeError, ServeOptions, serve
+    from .serve import ServeError, ServeOptions, serve
 
     site = _load(args.site)
     options = ServeOptions(host=args.host, port=args.port, run_dir=Path(args.run_dir) if args.run_dir else None)
@@ -228,14 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         plan.set_defaults(func=cmd_plan)
 
     from .router.admin_api import add_rollout_arguments, cmd_rollout
-    from .slurm.launch_rank import add_launch_arguments, cmd_launch
+    from .launcher.rank import add_launch_arguments, cmd_launch
     from .slurm.submit import add_submit_arguments, cmd_submit
 
     submit = commands.add_parser("submit", help="render the sbatch script from a site config and submit it")
     add_submit_arguments(submit)
     submit.set_defaults(func=cmd_submit)
 
-    launch = commands.add_parser("launch", help="one rank of a Slurm job: controller on rank 0, node agent elsewhere "
+    launch = commands.add_parser("launch", help="one rank of a batch job: controller on rank 0, node agent elsewhere "
                                                 "(the sbatch script runs this under srun)")
     add_launch_arguments(launch)
     launch.set_defaults(func=cmd_launch)

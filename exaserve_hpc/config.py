@@ -198,6 +198,9 @@ class RouterConfig(_Section):
     # where the router and the controller listen; None: loopback under `exaserve serve` (one machine),
     # every interface, published under the node's name, under `exaserve launch` (a job across nodes)
     host: Optional[str] = None
+    # an interface name (ib0) or a local address to listen on and publish, chosen on rank 0's node;
+    # overrides host. None: host, or under `exaserve launch` the address the node's name resolves to
+    interface: Optional[str] = None
     frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     backend_port: int = Field(0, ge=0, le=65535)
     policy: Literal[POLICY_NAMES] = "least_load"  # router/policies.py
@@ -224,10 +227,20 @@ class RouterConfig(_Section):
 
 class GatewayConfig(_Section):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    interface: Optional[str] = None  # an interface name (ib0, eth0) or a local address; overrides host
+    port: int = Field(8000, ge=0, le=65535)  # 0: any free port, published in the job directory
     max_queued_requests: int = Field(1024, ge=1)  # beyond this: 429 with Retry-After
     require_api_key: bool = False
     default_max_tokens: int = Field(128, ge=1)
+
+
+class RequeueConfig(_Section):
+    """When rank 0 gives the allocation back and comes again (`exaserve launch` flags override these)."""
+    capacity_floor: float = Field(0.5, ge=0, le=1)  # requeue below this share of the planned nodes; 0: never
+    time_margin: Duration = 0.0  # requeue this long before the job's end time; 0: the stop signal covers it
+    replace_lost_nodes: bool = False  # ask the batch system for a node per lost node instead
+    enabled: bool = True  # false: never requeue from the controller
+    checkpoint_interval: Duration = 300.0  # the controller's state is also written this often; 0: only on stop
 
 
 class QuotaGroup(_Section):
@@ -248,6 +261,7 @@ class SiteConfig(_Section):
     weight_cache: WeightCacheConfig = Field(default_factory=WeightCacheConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    requeue: RequeueConfig = Field(default_factory=RequeueConfig)
     models: list[ModelConfig] = Field(min_length=1)
     quota_groups: list[QuotaGroup] = Field(default_factory=list)
     run_dir: str = "~/.cache/exaserve/run"

@@ -1,7 +1,13 @@
 """The controller's state in one HDF5 file, so a requeued job restarts where it stopped.
 
-    save_state(job_dir / "controller-state.h5", state)     # atomic: temp file + rename, mode 0600
+    save_state(job_dir / "controller-state.h5", state)     # atomic: temp file + fsync + rename, mode 0600
     state = load_state(job_dir / "controller-state.h5")    # == what was saved
+
+(Not a model checkpoint: those are cache/checkpoint.py.) The job directory usually sits on Lustre or
+NFS: HDF5's own file locking (flock/fcntl) fails there unless the mount has locks, so files are opened
+with locking off (h5py `locking=False`, or HDF5_USE_FILE_LOCKING=FALSE for older h5py); the data is
+fsynced before the rename and the directory after it, so a node crash leaves the old file or the new
+one, never a torn one.
 
 Layout (every string is UTF-8, variable length):
     /            attrs: format, job_id, restart, saved_at, excluded_nodes
@@ -24,6 +30,7 @@ import h5py
 import numpy as np
 
 FORMAT = "exaserve-controller-state/1"
+CHECKPOINT_FILE = "controller-state.h5"  # in the job directory (or `exaserve serve`'s run_dir)
 STR = h5py.string_dtype("utf-8")
 
 
@@ -58,12 +65,41 @@ def _read_strings(group: h5py.Group, name: str) -> list[str]:
     return [v.decode() if isinstance(v, bytes) else str(v) for v in group[name][()]]
 
 
+def open_h5(path: Path, mode: str) -> h5py.File:
+    """An HDF5 file without HDF5's file locks (which shared filesystems without flock refuse)."""
+    try:
+        return h5py.File(path, mode, locking=False)
+    except TypeError:  # h5py < 3.5 has no `locking`: the library reads the variable when it opens files
+        os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
+        return h5py.File(path, mode)
+
+
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_state(path: Path, state: ControllerState) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.close(fd)
-    with h5py.File(tmp, "w") as f:
+    try:
+        _write(tmp, state)
+        _fsync(tmp)  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)  # and the rename itself survives a crash
+    return path
+
+
+def _write(tmp: Path, state: ControllerState) -> None:
+    with open_h5(tmp, "w") as f:
         f.attrs.update(format=FORMAT, job_id=state.job_id, restart=state.restart, saved_at=state.saved_at)
         _strings(f, "excluded_nodes", list(state.excluded_nodes))
         placement = f.create_group("placement")
@@ -88,12 +124,10 @@ def save_state(path: Path, state: ControllerState) -> Path:
         _strings(rollout, "version", [state.rollout[m].version for m in models])
         _strings(rollout, "stage", [state.rollout[m].stage for m in models])
         rollout.create_dataset("weight", data=np.array([state.rollout[m].weight for m in models], dtype=np.float64))
-    os.replace(tmp, path)
-    return path
 
 
 def load_state(path: Path) -> ControllerState:
-    with h5py.File(path, "r") as f:
+    with open_h5(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise CheckpointFormatError(f"{path}: format {f.attrs.get('format')!r}, expected {FORMAT!r}")
         p, a, q, r = f["placement"], f["affinity"], f["quota"], f["rollout"]

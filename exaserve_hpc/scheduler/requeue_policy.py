@@ -1,6 +1,6 @@
 """When to give the allocation back and come again: a pure policy for rank 0.
 
-Call protocol (every controller tick, from slurm/requeue.py):
+Call protocol (every watch round, from launcher/requeue_watch.py):
 
     decision = requeue_decision(RequeueSnapshot(...), policy)
     if decision.requeue: checkpoint state, then `scontrol requeue` excluding decision.exclude

@@ -4,7 +4,7 @@
     job_id = client.submit(Path("job.sbatch"), ["--nodes=4"])
     client.job(job_id).state         # JobState.RUNNING
     client.nodes()                   # [NodeInfo(name="n1", state=NodeState.IDLE, ...)]
-    client.requeue(job_id, exclude=["n3"])
+    client.requeue(job_id)          # back to the queue (jobenv/slurm.py decides how to exclude nodes)
 
 `SlurmClient` is the interface; `CliSlurmClient` runs sbatch/squeue/sinfo/
 scontrol/scancel through a replaceable `runner` (unit tests pass a fake one)
@@ -18,7 +18,6 @@ import abc
 import logging
 import os
 import re
-import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -69,23 +68,6 @@ def run_command(command: Sequence[str], timeout: float) -> CommandResult:
     return CommandResult(done.returncode, done.stdout, done.stderr)
 
 
-def run_detached_until_ok(command: Sequence[str], attempts: int = 150, interval: float = 0.2) -> None:
-    """Retry `command` until it exits 0, from a process outside this one's process tree.
-
-    Requeueing our own job makes Slurm kill every process of the job step,
-    this one included, within milliseconds; what must still happen after the
-    requeue (setting the excluded nodes, which Slurm 22.05 accepts only once
-    the job is pending again) runs in an orphaned shell that proctrack/linuxproc
-    no longer counts as the step's. (A cgroup-based proctrack would still kill
-    it: there, Slurm's own DOWN marking of the lost node is what keeps it out.)
-    """
-    quoted = " ".join(shlex.quote(part) for part in command)
-    script = (f"( i=0; while [ $i -lt {attempts} ]; do {quoted} >/dev/null 2>&1 && exit 0; "
-              f"i=$((i+1)); sleep {interval}; done ) &")
-    subprocess.run(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
-
-
 class SlurmClient(abc.ABC):
     """What the rest of exaserve may ask of Slurm. States come back as our enums."""
 
@@ -115,10 +97,19 @@ class SlurmClient(abc.ABC):
         """scontrol update jobid=ID Key=Value ... (e.g. ExcNodeList="n3", TimeLimit="30")."""
 
     @abc.abstractmethod
-    def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
-        """Put a batch job back in the queue, excluding the given nodes from its next run.
+    def requeue(self, job_id: int) -> None:
+        """Put a batch job back in the queue (ending every process of its current run, the caller's too).
 
-        Slurm holds a requeued job for about two minutes (BeginTime) before it may start again."""
+        Slurm holds a requeued job for about two minutes (BeginTime) before it may start again. Nodes
+        to avoid next time cannot be set from inside the job (jobenv/slurm.py: a successor job)."""
+
+    def job_record(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job -o` as Key -> Value (EndTime, Command, ...)."""
+        raise SlurmError(f"the {self.backend} backend cannot show job {job_id}'s record")
+
+    def batch_script(self, job_id: int) -> str:
+        """The job's batch script as submitted (`scontrol write batch_script JOB -`)."""
+        raise SlurmError(f"the {self.backend} backend cannot read job {job_id}'s batch script")
 
     @abc.abstractmethod
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:
@@ -130,11 +121,9 @@ class CliSlurmClient(SlurmClient):
 
     backend = "cli"
 
-    def __init__(self, runner: Runner = run_command, timeout: float = 30.0,
-                 detached: Callable[[Sequence[str]], None] = run_detached_until_ok):
+    def __init__(self, runner: Runner = run_command, timeout: float = 30.0):
         self.runner = runner
         self.timeout = timeout
-        self.detached = detached
 
     def _run(self, *command: str) -> str:
         result = self.runner(command, self.timeout)
@@ -146,20 +135,34 @@ class CliSlurmClient(SlurmClient):
         return parse_sbatch_parsable(self._run("sbatch", "--parsable", *options, str(script)))
 
     def jobs(self, job_ids: Sequence[int] = (), user: Optional[str] = None) -> list[JobInfo]:
-        # squeue --jobs=N exits 1 when N has left slurmctld's memory; ask for all and filter instead.
-        command = ["squeue", "--json"] + ([f"--user={user}"] if user else [])
-        jobs = parse_squeue_json(self._run(*command))
+        # Name the user and the jobs, so slurmctld answers for them only (22.05's --json lists every job
+        # whatever the filters: we filter again). --jobs=N exits 1 once N has left slurmctld's memory:
+        # then ask for the user's jobs only.
+        mine = [f"--user={user}"] if user else ["--me"]
+        command = ["squeue", "--json", *mine]
+        try:
+            text = self._run(*command, *([f"--jobs={','.join(map(str, job_ids))}"] if job_ids else []))
+        except SlurmCommandError as exc:
+            if not job_ids or "Invalid job id" not in exc.stderr:
+                raise
+            text = self._run(*command)
+        jobs = parse_squeue_json(text)
         return [j for j in jobs if not job_ids or j.job_id in set(job_ids)]
 
-    def job(self, job_id: int) -> JobInfo:
+    def job_record(self, job_id: int) -> dict[str, str]:
         try:
-            records = parse_scontrol_show(self._run("scontrol", "show", "job", str(job_id), "-o"))
+            return parse_scontrol_show(self._run("scontrol", "show", "job", str(job_id), "-o"))[0]
         except SlurmCommandError as exc:
             if "Invalid job id" in exc.stderr:
                 raise SlurmError(f"job {job_id} is unknown to slurmctld (finished more than MinJobAge ago, "
                                  f"or never existed)") from exc
             raise
-        return job_from_scontrol(records[0])
+
+    def job(self, job_id: int) -> JobInfo:
+        return job_from_scontrol(self.job_record(job_id))
+
+    def batch_script(self, job_id: int) -> str:
+        return self._run("scontrol", "write", "batch_script", str(job_id), "-")
 
     def nodes(self, names: Sequence[str] = ()) -> list[NodeInfo]:
         command = ["sinfo", "--json"] + ([f"--nodes={compress_hostlist(list(names))}"] if names else [])
@@ -176,12 +179,7 @@ class CliSlurmClient(SlurmClient):
             raise ValueError("update_job needs at least one Key=Value")
         self._run("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()))
 
-    def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
-        # Slurm 22.05 refuses ExcNodeList on a running job ("Job is no longer pending execution") but takes
-        # it once the requeue has made the job pending again. The requeue kills the caller when the caller
-        # is the job itself, so the exclusion is handed to a detached retry loop *before* requeueing.
-        if exclude:
-            self.detached(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={compress_hostlist(list(exclude))}"])
+    def requeue(self, job_id: int) -> None:
         self._run("scontrol", "requeue", str(job_id))
 
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:

@@ -1,26 +1,30 @@
 """Replacement nodes for a running job: a companion Slurm job whose ranks join the controller as agents.
 
-    script = render_companion(job_id="42", job_dir=..., site_file=..., nodes=1, exclude=["n3"], ...)
-    client.submit(script_path)  -> companion job; each of its ranks runs `exaserve launch --join`,
-                                   reads JOB_DIR/controller.json and the job's CURVE client key, and
-                                   says hello to the running controller like any other node agent.
+    companions = CompanionJobs(client, "42", job_dir, options_from_site(site, site_file), remaining)
+    companions.submit(1, exclude=["n3"])   # the main job's batch script (every directive: partition,
+                                           # account, QOS, GPUs, memory, modules) for 1 node, excluding
+                                           # n3, limited to the main job's remaining time; its ranks run
+                                           # `exaserve launch --join-job-dir JOB_DIR` and say hello to the
+                                           # running controller like any other node agent
+    companions.asked()                     # nodes asked for in companions that have not ended
+    companions.cancel_all()                # the main job ends or is requeued
 
-CompanionJobs is rank 0's bookkeeping: what was asked for, what is still on the way, and cancelling
-every companion when the main job ends or is requeued (a companion outliving its controller would
-hold nodes for nothing).
+Slurm is asked about the companions by name (`squeue --me --jobs=...`), at most every poll_interval
+seconds, however often the caller asks.
 """
 
 from __future__ import annotations
 
 import logging
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .client import SlurmClient, SlurmError
-from .hostlist import compress_hostlist
-from .sbatch import default_launcher, slurm_duration
+from .hostlist import compress_hostlist, expand_hostlist
+from .sbatch import default_launcher, render_sbatch
 
 log = logging.getLogger("exaserve.replacement")
 
@@ -29,28 +33,16 @@ def companion_name(job_id: str) -> str:
     return f"exaserve-replace-{job_id}"
 
 
-def render_companion(job_id: str, job_dir: Path, site_file: str, nodes: int, exclude: Sequence[str] = (),
-                     time_limit: Optional[float] = None, launcher: Optional[str] = None,
-                     partition: Optional[str] = None, account: Optional[str] = None) -> str:
-    launcher = launcher or default_launcher()
-    directives = [f"--job-name={companion_name(job_id)}", f"--nodes={nodes}", "--ntasks-per-node=1", "--no-kill",
-                  f"--output={Path(job_dir).parent}/{companion_name(job_id)}-%j.out", "--open-mode=append"]
-    if exclude:
-        directives.append(f"--exclude={compress_hostlist(list(exclude))}")
+def render_companion(job_id: str, job_dir: Path, options: dict[str, Any], nodes: int, exclude: Sequence[str] = (),
+                     time_limit: Optional[float] = None, launcher: Optional[str] = None) -> str:
+    """The main job's script (slurm/sbatch.py, from the same site options) for `nodes` joining nodes."""
+    excluded = sorted(set(exclude) | set(expand_hostlist(options["exclude"]) if options.get("exclude") else ()))
+    o = {**options, "job_name": companion_name(job_id), "nodes": nodes, "job_root": str(Path(job_dir).parent),
+         "launcher": f"{launcher or default_launcher()} --join-job-dir {shlex.quote(str(job_dir))}",
+         "exclude": compress_hostlist(excluded) if excluded else None}
     if time_limit:
-        directives.append(f"--time={slurm_duration(time_limit)}")
-    if partition:
-        directives.append(f"--partition={partition}")
-    if account:
-        directives.append(f"--account={account}")
-    lines = ["#!/bin/bash", "# exaserve-hpc: replacement nodes for job " + job_id + " (agents join its controller)",
-             *(f"#SBATCH {d}" for d in directives), "",
-             f"export EXASERVE_JOB_DIR={shlex.quote(str(job_dir))}",
-             f"echo \"exaserve companion ${{SLURM_JOB_ID}} of job {job_id} on ${{SLURM_JOB_NODELIST}}\"",
-             "exec srun --no-kill --kill-on-bad-exit=0 --mpi=none --ntasks-per-node=1 "
-             f"--nodes=\"${{SLURM_JOB_NUM_NODES}}\" --ntasks=\"${{SLURM_JOB_NUM_NODES}}\" "
-             f"{launcher} --join --site {shlex.quote(site_file)} --job-dir {shlex.quote(str(job_dir))}", ""]
-    return "\n".join(lines)
+        o["time_limit"] = max(60.0, time_limit)
+    return render_sbatch(**o)
 
 
 @dataclass
@@ -58,33 +50,42 @@ class CompanionJobs:
     client: SlurmClient
     job_id: str
     job_dir: Path
-    site_file: str
+    options: dict[str, Any]                                      # slurm.sbatch.options_from_site(...)
+    remaining: Callable[[], Optional[float]] = lambda: None      # seconds the main job has left
     launcher: Optional[str] = None
-    time_limit: Optional[float] = None
-    submitted: dict[int, int] = field(default_factory=dict)  # companion job id -> nodes asked for
+    poll_interval: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    submitted: dict[int, int] = field(default_factory=dict)      # companion job id -> nodes asked for
+    _asked: tuple[float, int] = (float("-inf"), 0)               # (when, nodes) of the last answer
 
     def submit(self, nodes: int, exclude: Sequence[str]) -> Optional[int]:
         script = Path(self.job_dir) / f"replace-{len(self.submitted) + 1}.sbatch"
-        script.write_text(render_companion(self.job_id, self.job_dir, self.site_file, nodes, exclude,
-                                           self.time_limit, self.launcher))
+        script.write_text(render_companion(self.job_id, self.job_dir, self.options, nodes, exclude,
+                                           self.remaining(), self.launcher))
         try:
             companion = self.client.submit(script)
         except SlurmError as exc:
             log.error("replacement job for %d node(s) not submitted: %s", nodes, exc)
             return None
         self.submitted[companion] = nodes
+        self._asked = (float("-inf"), 0)  # the next asked() asks Slurm
         return companion
 
     def asked(self) -> int:
         """Nodes asked for in companion jobs that have not ended."""
         if not self.submitted:
             return 0
+        when, nodes = self._asked
+        if self.clock() - when < self.poll_interval:
+            return nodes
         try:
             live = {j.job_id for j in self.client.jobs(list(self.submitted)) if not j.state.terminal}
         except SlurmError as exc:
             log.warning("cannot list companion jobs: %s", exc)
             return sum(self.submitted.values())
-        return sum(n for j, n in self.submitted.items() if j in live)
+        nodes = sum(n for j, n in self.submitted.items() if j in live)
+        self._asked = (self.clock(), nodes)
+        return nodes
 
     def cancel_all(self) -> None:
         for companion in list(self.submitted):

@@ -67,8 +67,14 @@ class PyslurmClient(SlurmClient):
     def update_job(self, job_id: int, **fields: str) -> None:
         self.fallback.update_job(job_id, **fields)
 
-    def requeue(self, job_id: int, exclude: Sequence[str] = ()) -> None:
-        self.fallback.requeue(job_id, exclude)
+    def requeue(self, job_id: int) -> None:
+        self.fallback.requeue(job_id)
+
+    def job_record(self, job_id: int) -> dict[str, str]:
+        return self.fallback.job_record(job_id)
+
+    def batch_script(self, job_id: int) -> str:
+        return self.fallback.batch_script(job_id)
 
     def cancel(self, job_id: int, signal: Optional[str] = None, batch_only: bool = False) -> None:
         self.fallback.cancel(job_id, signal, batch_only)

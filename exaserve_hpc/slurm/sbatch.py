@@ -32,7 +32,7 @@ SBATCH_OPTIONS: dict[str, Any] = {
     "modules": (),              # environment modules loaded before anything runs
     "stop_signal": "USR1",      # sent to the batch shell stop_before_s seconds before the time limit
     "stop_before_s": 120,
-    "launcher": None,           # per-rank command; None: this Python's `-m exaserve_hpc.slurm.launch_rank`
+    "launcher": None,           # per-rank command; None: this Python's `-m exaserve_hpc.launcher`
     "extra_directives": (),     # further "#SBATCH" options, e.g. ["--exclusive"]
 }
 
@@ -44,7 +44,7 @@ class SbatchOptionError(ValueError):
 
 def default_launcher() -> str:
     """The per-rank command: this install's Python running `exaserve launch`'s module (no PATH needed)."""
-    return f"{shlex.quote(sys.executable)} -m exaserve_hpc.slurm.launch_rank"
+    return f"{shlex.quote(sys.executable)} -m exaserve_hpc.launcher"
 
 def valid_options() -> str:
     return ", ".join(f"{k} (default {v!r})" for k, v in SBATCH_OPTIONS.items())

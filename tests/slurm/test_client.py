@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -48,34 +47,45 @@ def test_failure_carries_command_exit_code_and_stderr(tmp_path):
     assert "invalid partition" in error.stderr and "exited with 1" in str(error)
 
 
-def test_requeue_hands_the_exclusion_to_a_detached_retry_before_requeueing():
+def test_requeue_is_one_command_with_nothing_left_to_run_after_it():
+    # The requeue ends every process of the job, the caller's too: nothing may need to run after it
+    # (under proctrack/cgroup not even a detached shell survives). Exclusion is jobenv's successor job.
     runner = FakeRunner({})
-
-    def detached(command):
-        runner.calls.append(["<detached>", *command])
-
-    CliSlurmClient(runner, detached=detached).requeue(7, exclude=["n3", "n4"])
-    # The detached loop is started first: the requeue may kill the caller (the job itself) at once.
-    assert runner.calls == [["<detached>", "scontrol", "update", "JobId=7", "ExcNodeList=n[3-4]"],
-                            ["scontrol", "requeue", "7"]]
+    CliSlurmClient(runner).requeue(7)
+    assert runner.calls == [["scontrol", "requeue", "7"]]
 
 
-def test_detached_retry_outlives_its_caller_and_stops_at_success(tmp_path):
-    from exaserve_hpc.slurm.client import run_detached_until_ok
+def test_job_queries_name_the_user_and_the_jobs():
+    runner = FakeRunner({"squeue": ok((SAMPLES / "squeue_time_limit.json").read_text())})
+    jobs = CliSlurmClient(runner).jobs([5, 4])
+    assert runner.calls == [["squeue", "--json", "--me", "--jobs=5,4"]]
+    assert sorted(j.job_id for j in jobs) == [4, 5]  # 22.05 prints every job whatever the filters
 
-    marker = tmp_path / "ran"
-    # Fails twice (no file yet -> creates it on the 1st, succeeds once it holds 3 lines), then stops.
-    script = f'echo x >> {marker}; [ $(wc -l < {marker}) -ge 3 ]'
-    run_detached_until_ok(["sh", "-c", script], attempts=20, interval=0.05)
-    deadline = time.monotonic() + 10
-    while (not marker.exists() or marker.read_text().count("x") < 3) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    assert marker.read_text().count("x") == 3
+
+def test_job_query_falls_back_to_the_users_jobs_when_one_id_is_forgotten():
+    class Forgetful(FakeRunner):
+        def __call__(self, command, timeout):
+            self.calls.append(list(command))
+            if any(c.startswith("--jobs=") for c in command):
+                return CommandResult(1, "", "slurm_load_jobs error: Invalid job id specified")
+            return ok((SAMPLES / "squeue_time_limit.json").read_text())
+
+    runner = Forgetful({})
+    assert [j.job_id for j in CliSlurmClient(runner).jobs([5, 77])] == [5]
+    assert runner.calls[-1] == ["squeue", "--json", "--me"]
+
+
+def test_batch_script_and_job_record():
+    runner = FakeRunner({"scontrol write batch_script": ok("#!/bin/bash\n#SBATCH --nodes=2\nsrun x\n"),
+                         "scontrol show job": ok((SAMPLES / "scontrol_show_job_time_limit.txt").read_text())})
+    client = CliSlurmClient(runner)
+    assert client.batch_script(5).startswith("#!/bin/bash")
+    assert runner.calls[0] == ["scontrol", "write", "batch_script", "5", "-"]
+    assert client.job_record(5)["EndTime"] == "2026-11-30T21:11:39"
 
 
 def test_jobs_and_nodes_come_back_as_our_enums():
-    runner = FakeRunner({"squeue --json": ok((SAMPLES / "squeue_after_node_loss.json").read_text()),
+    runner = FakeRunner({"squeue --json --me": ok((SAMPLES / "squeue_after_node_loss.json").read_text()),
                          "sinfo --json": ok((SAMPLES / "sinfo_node_down.json").read_text())})
     client = CliSlurmClient(runner)
     [job] = client.jobs([1])

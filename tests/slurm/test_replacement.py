@@ -1,13 +1,19 @@
-"""Replacement nodes: the pure policy, the companion job script, and rank 0's edge with a fake Slurm."""
+"""Replacement nodes: the pure policy, the companion job script, and rank 0's watch with a fake Slurm."""
 
 from __future__ import annotations
 
-from exaserve_hpc.scheduler.replacement import replacement_decision
-from exaserve_hpc.scheduler.requeue import RequeuePolicy
+from pathlib import Path
+
+from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.jobenv import SlurmJobEnvironment
+from exaserve_hpc.launcher.requeue_watch import RequeueWatch
+from exaserve_hpc.scheduler.replacement_policy import replacement_decision
+from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy
+from exaserve_hpc.slurm.companion_jobs import CompanionJobs, render_companion
 from exaserve_hpc.slurm.parse import JobInfo
-from exaserve_hpc.slurm.replacement import CompanionJobs, render_companion
-from exaserve_hpc.slurm.requeue import Requeuer
+from exaserve_hpc.slurm.sbatch import options_from_site
 from exaserve_hpc.slurm.states import JobState
+from exaserve_hpc.state_keeper import StateKeeper
 
 
 def test_replacement_decision_asks_once_per_hole():
@@ -20,12 +26,27 @@ def test_replacement_decision_asks_once_per_hole():
     assert replacement_decision(4, 3, (), 0).nodes == 0  # a node that never joined is not "lost"
 
 
-def test_companion_script_joins_the_main_job_as_agents(tmp_path):
-    text = render_companion("42", tmp_path / "42", "/p/site.yaml", 2, ["n3", "n4"], 900, "exaserve launch")
-    assert "#SBATCH --job-name=exaserve-replace-42" in text
-    assert "#SBATCH --nodes=2" in text and "#SBATCH --exclude=n[3-4]" in text and "#SBATCH --time=15:00" in text
-    assert f"exaserve launch --join --site /p/site.yaml --job-dir {tmp_path / '42'}" in text
-    assert "srun --no-kill --kill-on-bad-exit=0" in text
+def site_options(tmp_path: Path, name: str = "small16-a100") -> dict:
+    site_file = resolve_site(name)
+    return options_from_site(load_site(site_file), site_file, job_root=tmp_path)
+
+
+def test_companion_script_is_the_main_jobs_script_for_joining_nodes(tmp_path):
+    options = site_options(tmp_path)
+    main = [line for line in __import__("exaserve_hpc.slurm.sbatch", fromlist=["x"]).render_sbatch(
+        **options).splitlines() if line.startswith("#SBATCH")]
+    text = render_companion("42", tmp_path / "42", options, 2, ["n3", "n4"], 900, "exaserve launch")
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --job-name=exaserve-replace-42" in directives
+    assert "#SBATCH --nodes=2" in directives and "#SBATCH --exclude=n[3-4]" in directives
+    assert "#SBATCH --time=15:00" in directives
+    assert f"exaserve launch --join-job-dir {tmp_path / '42'}" in text
+    # every other directive of the main job (partition, account, QOS, GPUs, memory, ...) and its modules
+    different = ("--job-name", "--nodes", "--time", "--exclude")
+    assert [d for d in main if not d.startswith(tuple(f"#SBATCH {k}" for k in different))] == \
+        [d for d in directives if not d.startswith(tuple(f"#SBATCH {k}" for k in different))]
+    assert any(d.startswith("#SBATCH --partition=") for d in directives)
+    assert "module load" in text
 
 
 class FakeSlurm:
@@ -45,7 +66,7 @@ class FakeSlurm:
         self.cancelled.append(job_id)
         self.running.discard(job_id)
 
-    def requeue(self, job_id, exclude=()):
+    def requeue(self, job_id):
         self.requeued.append(job_id)
 
 
@@ -59,12 +80,16 @@ class FakeController:
         return {"agents": [{"agent_id": a, "state": s} for a, s in self.states.items()], "replicas": []}
 
 
-def test_requeuer_asks_for_a_replacement_once_and_cancels_companions_at_the_end(tmp_path):
+def test_watch_asks_for_a_replacement_once_and_cancels_companions_at_the_end(tmp_path):
     slurm = FakeSlurm()
     controller = FakeController({"n1": "alive", "n2": "alive", "n3": "lost"})
-    companions = CompanionJobs(slurm, "7", tmp_path, "/p/site.yaml")
-    watch = Requeuer(controller, tmp_path, "7", 0, slurm, ["n1", "n2", "n3"], "n1", RequeuePolicy(capacity_floor=0.5),
-                     companions=companions)
+    job = SlurmJobEnvironment({"SLURM_JOB_ID": "7"}, client=slurm)
+    (tmp_path / "7").mkdir()
+    job.companions = CompanionJobs(slurm, "7", tmp_path / "7", site_options(tmp_path, "slurm-local"),
+                                   poll_interval=0.0)
+    keeper = StateKeeper(controller, tmp_path / "state.h5", "7", 0)
+    watch = RequeueWatch(controller, job, keeper, tmp_path, ["n1", "n2", "n3"], "n1",
+                         RequeuePolicy(capacity_floor=0.5), replace_lost_nodes=True)
     assert watch.check() is None
     assert len(slurm.submitted) == 1 and "--exclude=n3" in slurm.submitted[0]
     watch.check()
@@ -74,3 +99,18 @@ def test_requeuer_asks_for_a_replacement_once_and_cancels_companions_at_the_end(
     assert len(slurm.submitted) == 1 and not slurm.requeued
     watch.stop()
     assert slurm.cancelled == [101]
+
+
+def test_companion_queries_are_rate_limited(tmp_path):
+    slurm = FakeSlurm()
+    asked = []
+    slurm.jobs = lambda job_ids=(), user=None: asked.append(list(job_ids)) or []
+    now = [0.0]
+    (tmp_path / "7").mkdir()
+    companions = CompanionJobs(slurm, "7", tmp_path / "7", site_options(tmp_path, "slurm-local"),
+                               poll_interval=5.0, clock=lambda: now[0])
+    companions.submit(1, ["n3"])
+    for step in range(10):  # ten checks over 9 s: Slurm is asked twice
+        companions.asked()
+        now[0] += 1.0
+    assert asked == [[101], [101]]

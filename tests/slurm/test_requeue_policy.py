@@ -1,13 +1,17 @@
-"""The requeue policy (pure) and rank 0's requeue edge against a fake Slurm client and controller."""
+"""The requeue policy (pure) and rank 0's requeue watch against a fake job environment and controller."""
 
 from __future__ import annotations
 
 import pytest
 
-from exaserve_hpc.checkpoint import ControllerState, RolloutState, load_state
-from exaserve_hpc.scheduler.requeue import RequeuePolicy, RequeueReason, RequeueSnapshot, requeue_decision
-from exaserve_hpc.slurm.client import SlurmCommandError
-from exaserve_hpc.slurm.requeue import CHECKPOINT_FILE, REQUEST_FILE, Requeuer, snapshot_from_status
+import os
+import time
+
+from exaserve_hpc.controller_state import CHECKPOINT_FILE, ControllerState, RolloutState, load_state
+from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.launcher.requeue_watch import REQUEST_FILE, STOP_FILE, RequeueWatch, snapshot_from_status
+from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy, RequeueReason, RequeueSnapshot, requeue_decision
+from exaserve_hpc.state_keeper import StateKeeper
 
 NODES = ("n1", "n2", "n3", "n4")
 
@@ -63,37 +67,162 @@ class FakeController:
         return status(self.states)
 
 
-class FakeSlurm:
-    def __init__(self, fail: bool = False):
-        self.calls, self.fail = [], fail
+class FakeJob(JobEnvironment):
+    """A job environment that records what it is asked (the real ones: tests/slurm/test_jobenv.py)."""
+    name = "fake"
 
-    def requeue(self, job_id, exclude=()):
-        self.calls.append((job_id, list(exclude)))
+    def __init__(self, fail: bool = False, end_time=None, successor: bool = False):
+        super().__init__({})
+        self.calls, self.fail, self._end, self.successor, self.end_asked = [], fail, end_time, successor, 0
+
+    @classmethod
+    def detects(cls, env):
+        return False
+
+    def task(self):
+        return 0, 1, "n1", "77", 0
+
+    @property
+    def can_requeue(self):
+        return True
+
+    def end_time(self):
+        self.end_asked += 1
+        if isinstance(self._end, Exception):
+            raise self._end
+        return self._end
+
+    def requeue(self, exclude, job_dir):
+        self.calls.append(list(exclude))
         if self.fail:
-            raise SlurmCommandError(["scontrol", "requeue", str(job_id)], 1, "Requested operation is disabled")
+            raise JobEnvError("requeue of job 77 failed: Requested operation is disabled")
+        if self.successor:
+            return RequeueOutcome("successor", "78", "successor job 78", stop_now=True)
+        return RequeueOutcome("requeued", "77", "job 77 requeued")
 
 
-def test_requeuer_checkpoints_then_requeues_excluding_lost_nodes(tmp_path):
+def watch_for(tmp_path, controller, job, policy=RequeuePolicy(), clock=lambda: 1234.5, save=None, **kw):
+    keeper = StateKeeper(controller, tmp_path / CHECKPOINT_FILE, "77", 1, clock=clock, sleep=lambda s: None,
+                         **({"save": save} if save else {}))
+    stops = []
+    watch = RequeueWatch(controller, job, keeper, tmp_path, list(NODES), "n1", policy, clock=clock,
+                         request_stop=stops.append, **kw)
+    return watch, stops
+
+
+def test_watch_checkpoints_then_requeues_excluding_lost_nodes(tmp_path):
     previous = ControllerState("77", 0, 1.0, quota={"physics": (10, 2)},
                                rollout={"m": RolloutState("v2", "canary", 0.1)}, excluded_nodes=["n9"])
     controller = FakeController({"n1": "alive", "n2": "lost", "n3": "alive", "n4": "lost"}, previous)
-    slurm = FakeSlurm()
+    job = FakeJob()
     (tmp_path / REQUEST_FILE).touch()
-    requeuer = Requeuer(controller, tmp_path, "77", 1, slurm, list(NODES), "n1", RequeuePolicy(capacity_floor=0.9),
-                        clock=lambda: 1234.5)
-    decision = requeuer.check()
+    watch, stops = watch_for(tmp_path, controller, job, RequeuePolicy(capacity_floor=0.9))
+    decision = watch.check()
     assert decision.reason is RequeueReason.REQUESTED and decision.exclude == ("n2", "n4")
-    assert slurm.calls == [(77, ["n2", "n4", "n9"])]
+    assert job.calls == [["n2", "n4", "n9"]] and stops == []  # a requeue ends the run itself
     assert not (tmp_path / REQUEST_FILE).exists()
     state = load_state(tmp_path / CHECKPOINT_FILE)
     assert state == ControllerState("77", 1, 1234.5, placement={"m/r0000": ("m", "n1"), "m/r0001": ("m", "")},
                                     quota=previous.quota, rollout=previous.rollout, excluded_nodes=["n2", "n4", "n9"])
 
 
-def test_requeuer_does_nothing_while_healthy_and_survives_a_failed_requeue(tmp_path):
-    slurm = FakeSlurm(fail=True)
-    requeuer = Requeuer(FakeController({n: "alive" for n in NODES}), tmp_path, "5", 0, slurm, list(NODES), "n1")
-    assert requeuer.check() is None and slurm.calls == []
-    requeuer.controller.states["n2"] = requeuer.controller.states["n3"] = requeuer.controller.states["n4"] = "lost"
-    assert requeuer.check().reason is RequeueReason.CAPACITY_BELOW_FLOOR  # the error is logged, not raised
-    assert slurm.calls == [(5, ["n2", "n3", "n4"])] and (tmp_path / CHECKPOINT_FILE).exists()
+def test_a_successor_job_means_this_run_stops_by_itself(tmp_path):
+    controller = FakeController({"n1": "alive", "n2": "lost", "n3": "lost", "n4": "lost"})
+    watch, stops = watch_for(tmp_path, controller, FakeJob(successor=True))
+    assert watch.check().reason is RequeueReason.CAPACITY_BELOW_FLOOR
+    assert stops == ["successor job 78"]
+
+
+def test_watch_does_nothing_while_healthy_and_survives_a_failed_requeue(tmp_path):
+    job = FakeJob(fail=True)
+    controller = FakeController({n: "alive" for n in NODES})
+    watch, _ = watch_for(tmp_path, controller, job)
+    assert watch.check() is None and job.calls == []
+    controller.states["n2"] = controller.states["n3"] = controller.states["n4"] = "lost"
+    assert watch.check().reason is RequeueReason.CAPACITY_BELOW_FLOOR  # the error is logged, not raised
+    assert job.calls == [["n2", "n3", "n4"]] and (tmp_path / CHECKPOINT_FILE).exists()
+
+
+def test_a_failed_checkpoint_write_is_retried_and_logged(tmp_path, caplog):
+    attempts = []
+
+    def flaky(path, state):
+        attempts.append(path)
+        if len(attempts) < 3:
+            raise OSError(5, "Input/output error")
+        from exaserve_hpc.controller_state import save_state
+        return save_state(path, state)
+
+    controller = FakeController({"n1": "alive", "n2": "lost", "n3": "lost", "n4": "lost"})
+    job = FakeJob()
+    watch, _ = watch_for(tmp_path, controller, job, save=flaky)
+    watch.check()
+    assert len(attempts) == 3 and (tmp_path / CHECKPOINT_FILE).exists() and job.calls
+    assert [r.message.count("attempt") for r in caplog.records if "Input/output" in r.message] == [1, 1]
+
+
+def test_a_checkpoint_that_never_writes_does_not_stop_the_requeue_or_the_keeper(tmp_path):
+    def broken(path, state):
+        raise OSError(28, "No space left on device")
+
+    controller = FakeController({"n1": "alive", "n2": "lost", "n3": "lost", "n4": "lost"})
+    job = FakeJob()
+    watch, _ = watch_for(tmp_path, controller, job, save=broken)
+    watch.check()
+    assert job.calls == [["n2", "n3", "n4"]] and watch.keeper.failures == 3
+    assert watch.keeper.save() is False  # and it still answers
+
+
+def test_periodic_checkpoints_go_on_after_a_failure(tmp_path):
+    calls = []
+
+    def flaky(path, state):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("transient")
+        path.write_text("ok")
+        return path
+
+    keeper = StateKeeper(FakeController({"n1": "alive"}), tmp_path / "s.h5", "1", 0, interval=0.05, attempts=1,
+                         save=flaky).start()
+    deadline = time.monotonic() + 5
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    keeper.stop()
+    assert len(calls) >= 3 and (tmp_path / "s.h5").read_text() == "ok"
+
+
+def test_time_margin_reads_the_end_time_and_refreshes_it_only_now_and_then(tmp_path):
+    now = [1000.0]
+    job = FakeJob(end_time=1000.0 + 600)
+    controller = FakeController({n: "alive" for n in NODES})
+    watch, _ = watch_for(tmp_path, controller, job, RequeuePolicy(time_margin=120), clock=lambda: now[0],
+                         end_time_refresh=30)
+    assert watch.check() is None
+    now[0] += 10
+    job._end = 1000.0 + 100  # `scontrol update TimeLimit=` moved the limit: seen at the next refresh
+    assert watch.check() is None and job.end_asked == 1
+    now[0] += 25
+    assert watch.check().reason is RequeueReason.TIME_LIMIT_NEAR and job.end_asked == 2
+
+
+def test_an_unreadable_end_time_keeps_the_last_known_one(tmp_path):
+    now = [0.0]
+    job = FakeJob(end_time=500.0)
+    watch, _ = watch_for(tmp_path, FakeController({n: "alive" for n in NODES}), job, RequeuePolicy(time_margin=60),
+                         clock=lambda: now[0], end_time_refresh=1)
+    assert watch.check() is None
+    job._end, now[0] = JobEnvError("slurmctld does not answer"), 450.0
+    assert watch.check().reason is RequeueReason.TIME_LIMIT_NEAR
+
+
+def test_a_stop_file_from_this_run_stops_it(tmp_path):
+    watch, stops = watch_for(tmp_path, FakeController({n: "alive" for n in NODES}), FakeJob(), clock=time.time)
+    stale = tmp_path / STOP_FILE
+    stale.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # left by the run before a requeue
+    watch.check()
+    assert stops == []
+    stale.touch()
+    watch.check()
+    assert stops == ["stop-requested in the job directory"]

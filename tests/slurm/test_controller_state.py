@@ -8,7 +8,8 @@ import h5py
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from exaserve_hpc.checkpoint import (
+from exaserve_hpc import controller_state
+from exaserve_hpc.controller_state import (
     CheckpointFormatError, ControllerState, RolloutState, load_state, save_state, state_from_status,
 )
 
@@ -66,3 +67,33 @@ def test_state_from_a_controller_status():
                            {"replica_id": "m/r1", "model": "m", "node": None}]}
     state = state_from_status(status, "77", 1, 10.0, ["n3"])
     assert state.placement == {"m/r0": ("m", "n2"), "m/r1": ("m", "")} and state.excluded_nodes == ["n3"]
+
+
+def test_files_open_without_hdf5_locks_and_are_synced_before_the_rename(tmp_path, monkeypatch):
+    """Lustre/NFS without flock mounts refuse HDF5's locks; a crash must leave the old file or the new one."""
+    opened, order = [], []
+    real_file, real_fsync, real_replace = h5py.File, controller_state.os.fsync, controller_state.os.replace
+
+    def file(path, mode, **kwargs):
+        opened.append(kwargs.get("locking"))
+        return real_file(path, mode, **kwargs)
+
+    monkeypatch.setattr(controller_state.h5py, "File", file)
+    monkeypatch.setattr(controller_state.os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd)))
+    monkeypatch.setattr(controller_state.os, "replace", lambda a, b: (order.append("rename"), real_replace(a, b)))
+    path = save_state(tmp_path / "s.h5", example())
+    assert load_state(path) == example()
+    assert opened == [False, False]
+    assert order == ["fsync", "rename", "fsync"]  # the file's data, the rename, then the directory
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path, monkeypatch):
+    path = save_state(tmp_path / "s.h5", example())
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller_state, "_write", broken)
+    with pytest.raises(OSError, match="No space"):
+        save_state(path, ControllerState("other", 9, 2.0))
+    assert load_state(path) == example() and not list(tmp_path.glob(".*tmp"))

@@ -1,0 +1,379 @@
+"""One control plane, built the same way by `exaserve serve` (serve.py) and rank 0 of `exaserve launch`
+(launcher/rank.py): model checkpoints, the router, the controller (restored from its checkpoint when
+one is there), this node's agent, the HTTP gateway with the admin routes, and the state keeper.
+
+    plane = ControlPlane(site, PlaneSettings(node="n1", state_dir=job_dir, across_nodes=True, ...))
+    plane.add_stop_hook(watch.stop)     # run first when the plane stops
+    plane.run()                         # serves until SIGINT, SIGTERM or SIGUSR1 (or request_stop()); 0
+
+Addresses (addresses.py): `gateway.interface` / `router.interface` (ib0, or an address) choose where
+each listens; a wildcard is published as the node's address, never 0.0.0.0; IPv6 in brackets.
+
+The one shutdown order, whatever stopped it (a signal: Ctrl-C, scancel's TERM, Slurm's USR1 before
+the time limit; a requeue; a stop file):
+  1. the gateway stops taking requests (uvicorn finishes the open ones, at most 10 s);
+  2. stop hooks (the requeue watch, which releases replacement-node jobs);
+  3. the controller's state is written (begun at the signal itself, before agents drain);
+  4. every agent drains and stops its replicas (controller.shutdown), and this node's agent exits,
+     removing its L2 files;
+  5. controller, router and listener close; serve.json goes.
+A second signal while stopping is answered with a line and does not cut the drain short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from .addresses import AddressError, http_url, resolve_listen
+from .config import SiteConfig
+from .controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+from .router.breaker import BreakerSettings
+from .router.dispatch import Dispatcher, DispatchSettings
+from .state_keeper import StateKeeper
+
+log = logging.getLogger("exaserve.control")
+console = Console(stderr=True)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class ControlPlaneError(Exception):
+    """A problem that stops the control plane before it serves; the message names the setting."""
+
+
+ServeError = ControlPlaneError  # the name `exaserve serve` used
+
+
+def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
+    """Create missing tiny checkpoints (with a progress bar); refuse a missing real one."""
+    from .cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
+    from .engine.registry import engine_spec
+
+    for model in site.models:
+        engine = engine_spec(model.engine)
+        if not engine.needs_weights:
+            continue
+        directory = site.model_dir(model)
+        if model.tiny is None or not engine.reads_tiny:
+            if not (directory / "manifest.json").exists():
+                raise ControlPlaneError(
+                    f"model {model.model_name}: no checkpoint at {directory} (manifest.json missing); "
+                    "set model_path to a checkpoint directory"
+                    + (", or add a `tiny:` section to create one" if engine.reads_tiny else
+                       f" (engine {model.engine} cannot read the tiny checkpoints `tiny:` creates)"))
+            continue
+        spec = TinyModelSpec(**model.tiny.model_dump())
+        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                      console=console, disable=not show_progress, transient=True) as progress:
+            task = progress.add_task(f"checkpoint {model.model_name}", total=None)
+
+            def report(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            try:
+                ensure_tiny_checkpoint(directory, spec, progress=report)
+            except CheckpointError as exc:
+                raise ControlPlaneError(f"model {model.model_name}: {exc}") from exc
+
+
+def router_policy(site: SiteConfig):
+    """The routing policy the site's router section asks for, with its prefix settings."""
+    try:
+        from .router.policies import policy_for_site
+    except ImportError:  # the policy table is not in this tree yet: the factory in balancing.py
+        from .router.balancing import make_policy
+        if site.router.policy == "prefix_affinity":
+            from .router.affinity import AffinitySettings
+            return make_policy("prefix_affinity", settings=AffinitySettings.from_site(
+                site.router, site.batching.prefill_chunk_tokens))
+        return make_policy(site.router.policy)
+    return policy_for_site(site.router, site.batching)
+
+
+def dispatch_settings(site: SiteConfig) -> DispatchSettings:
+    r = site.router
+    return DispatchSettings(max_attempts=r.max_attempts, request_timeout=r.request_timeout,
+                            first_token_timeout=r.first_token_timeout,
+                            replica_expiry=r.replica_heartbeat * r.replica_misses,
+                            stall_timeout=r.stall_timeout or 0.0,
+                            breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
+
+
+def listen_socket(host: str, port: int, setting: str = "gateway.port"):
+    """Bind the gateway's socket ourselves, so port 0 works and a busy port is a clear error at start."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise ControlPlaneError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another port with "
+                                f"--port (0 picks a free one) or set {setting}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfig) -> subprocess.Popen:
+    """This node's agent as a child process (`exaserve serve`): it dies with us."""
+    from .agent.node_agent import default_l2_root
+    command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
+               "--agent-id", agent_id, "--heartbeat", str(site.heartbeat.interval), "--die-with-parent",
+               "--controller-timeout", str(site.heartbeat.controller_timeout),
+               "--l2-capacity", str(int(site.weight_cache.l2_capacity)),
+               "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path))]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+
+def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **config):
+    """A uvicorn server that stops on SIGINT, SIGTERM and SIGUSR1 and returns, so our shutdown runs.
+
+    uvicorn re-raises the captured signal after its own shutdown, which would kill this process
+    before the replicas are drained; we take that part out. on_signal(sig) runs first, in the handler.
+    """
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def handle(sig, frame):
+                on_signal(sig)
+                self.handle_exit(sig if sig == signal.SIGINT else signal.SIGTERM, frame)
+
+            previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GatewayServer(uvicorn.Config(app, **config))
+
+
+def write_state(run_dir: Path, url: str, site: SiteConfig) -> Path:
+    """Where `exaserve status` finds a running server; mode 0600 (it names a control endpoint)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "serve.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url, "pid": os.getpid(), "site": site.site, "started": time.time()}, f)
+    return path
+
+
+@dataclass
+class PlaneSettings:
+    node: str                               # this node's name: its agent's id; what wildcards publish
+    state_dir: Path                         # serve.json and controller-state.h5 (run_dir, or the job directory)
+    job_id: str = "local"
+    restart: int = 0
+    across_nodes: bool = False              # a job's plane: peers on other nodes connect to it
+    host: Optional[str] = None              # --host: the gateway's address, over gateway.interface/host
+    port: Optional[int] = None              # --port: over gateway.port (0: any free port)
+    curve: Any = None                       # bootstrap.CurveKeys: CURVE router and controller
+    expected_agents: Optional[list[str]] = None
+    agent_in_thread: bool = False           # rank 0 runs its node's agent in-process; serve starts a process
+    node_index: int = 0
+    replica_env: dict[str, str] = field(default_factory=dict)
+    restore_from: tuple[Path, ...] = ()     # more directories whose checkpoint may restore (a successor's)
+    show_progress: bool = True
+    drain_timeout: float = 10.0
+    drain_wait: float = 20.0
+
+
+class ControlPlane:
+    def __init__(self, site: SiteConfig, settings: PlaneSettings):
+        self.site, self.settings = site, settings
+        self._stop_hooks: list[Callable[[], None]] = []
+        self._closers: list[Callable[[], None]] = []  # what is up so far, to undo if building fails
+        self._checkpointed = threading.Lock()
+        self._checkpoint_done = False
+        self.stopping = False
+        self.server = None
+        try:
+            self._build()
+        except BaseException:
+            for close in reversed(self._closers):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+
+    # ---------------------------------------------------------------- building
+
+    def _build(self) -> None:
+        from .router.zmq_router import ZmqRouter
+        from .scheduler.controller import Controller
+
+        site, s = self.site, self.settings
+        ensure_checkpoints(site, show_progress=s.show_progress)
+        gateway = site.gateway
+        try:
+            if s.host:
+                bind, publish = resolve_listen(s.host, None, s.node, "--host", s.across_nodes)
+            else:
+                bind, publish = resolve_listen(gateway.host, gateway.interface, s.node,
+                                               "gateway.interface" if gateway.interface else "gateway.host",
+                                               s.across_nodes)
+            router_bind, _ = resolve_listen(site.router.host, site.router.interface, s.node,
+                                            "router.interface" if site.router.interface else "router.host",
+                                            s.across_nodes)
+        except AddressError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        self.gateway_host = bind
+        self.listener = listen_socket(bind, gateway.port if s.port is None else s.port,
+                                      "gateway.port" if s.port is None else "--port")
+        self._closers.append(self.listener.close)
+        self.url = http_url(publish, self.listener.getsockname()[1])
+
+        dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
+        try:
+            self.router = ZmqRouter(dispatcher, router_bind, site.router.frontend_port, site.router.backend_port,
+                                    curve=s.curve).start()
+        except Exception as exc:  # zmq.ZMQError: a busy port, an address we cannot bind
+            raise ControlPlaneError(f"router: cannot listen on {router_bind} (frontend_port "
+                                    f"{site.router.frontend_port}, backend_port {site.router.backend_port}): {exc}; "
+                                    f"set router.frontend_port / router.backend_port (0: any free port) or "
+                                    f"router.interface") from exc
+        self._closers.append(self.router.stop)
+        grace = {"placement_grace": max(10.0, 3 * site.heartbeat.expiry)} if s.expected_agents else {}
+        self.controller = Controller(site, self.router, host=router_bind, curve=s.curve,
+                                     expected_agents=s.expected_agents, **grace)
+        self._closers.append(self.controller.stop)
+        self.restored_from = self._restore()
+        self.controller.start()
+        self.keeper = StateKeeper(self.controller, Path(s.state_dir) / CHECKPOINT_FILE, s.job_id, s.restart,
+                                  interval=site.requeue.checkpoint_interval).start()
+        self._closers.append(self.keeper.stop)
+        self._start_agent()
+        self.app = self._app()
+
+    def _restore(self) -> Optional[Path]:
+        """A requeued (or successor) run starts from the state the previous run wrote."""
+        for directory in (Path(self.settings.state_dir), *self.settings.restore_from):
+            path = directory / CHECKPOINT_FILE
+            if not path.exists():
+                continue
+            try:
+                state = load_state(path)
+            except (OSError, KeyError, CheckpointFormatError) as exc:
+                log.warning("checkpoint %s unreadable (%s); starting from the site's plan", path, exc)
+                print(f"exaserve: checkpoint {path} unreadable ({exc}); starting from the site's plan", flush=True)
+                return None
+            self.controller.restore(state)
+            print(f"exaserve: restored state from {path} (job {state.job_id} restart {state.restart}, "
+                  f"{len(state.placement)} replicas, excluded {','.join(state.excluded_nodes) or 'none'})",
+                  flush=True)
+            return path
+        return None
+
+    def _start_agent(self) -> None:
+        s, site = self.settings, self.site
+        endpoint = self.controller.endpoint
+        if not s.agent_in_thread:
+            self.agent_process = start_agent_process(endpoint, s.node, site)
+            self.agent_thread = None
+            self._closers.append(self.agent_process.kill)
+            return
+        from .agent.node_agent import NodeAgent, default_l2_root
+        from .bootstrap import secure_client
+        agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
+                          l2_capacity=site.weight_cache.l2_capacity,
+                          l2_root=str(default_l2_root(s.node, site.weight_cache.l2_path)),
+                          controller_timeout=site.heartbeat.controller_timeout, replica_env=s.replica_env or None)
+        if s.curve is not None:
+            secure_client(agent.socket, s.curve)
+        self.agent_process = None
+        self.agent_thread = threading.Thread(target=agent.run, name="exaserve-agent-rank0", daemon=True)
+        self.agent_thread.start()
+
+    def _app(self):
+        from .router.admin_api import serving_admin_routes
+        from .router.backend import ModelInfo
+        from .router.client import RouterClient
+        from .router.gateway import create_app
+        created = int(time.time())
+        models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in self.site.models]
+        client = RouterClient(self.router.frontend_endpoint, models, status=self.controller.status,
+                              ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
+        return create_app(client, self.site, admin_routes=serving_admin_routes(
+            self.site, self.router, self.controller, self.gateway_host))
+
+    # ---------------------------------------------------------------- running and stopping
+
+    def add_stop_hook(self, hook: Callable[[], None]) -> None:
+        self._stop_hooks.append(hook)
+
+    def request_stop(self, why: str) -> None:
+        """End run() gracefully from any thread (a requeue handed to a successor, a stop file)."""
+        print(f"exaserve: stopping: {why}", flush=True)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        print(f"exaserve: {signal.Signals(sig).name} received: checkpoint, drain, stop", flush=True)
+        # Write now, while every replica is still placed: agents may get the same signal and drain theirs.
+        threading.Thread(target=self.checkpoint_once, name="exaserve-stop-checkpoint", daemon=True).start()
+
+    def checkpoint_once(self) -> None:
+        with self._checkpointed:
+            if not self._checkpoint_done:
+                self._checkpoint_done = True
+                self.keeper.save()
+
+    def run(self) -> int:
+        state_file = write_state(Path(self.settings.state_dir), self.url, self.site)
+        self.server = gateway_server(self.app, on_signal=self._on_signal,
+                                     log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
+                                     timeout_graceful_shutdown=10, access_log=False)
+        try:
+            self.server.run(sockets=[self.listener])
+        finally:
+            self.shutdown()
+            state_file.unlink(missing_ok=True)
+        return 0
+
+    def shutdown(self) -> None:
+        """The one shutdown order (see the module's docstring)."""
+        self.stopping = True
+        for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the drain short
+            signal.signal(sig, lambda *_: print("exaserve: already stopping; waiting for replicas to drain",
+                                                flush=True))
+        for hook in self._stop_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one failed hook must not leave replicas running
+                log.exception("stop hook %s failed", hook)
+        self.keeper.stop()
+        self.checkpoint_once()
+        print("exaserve: stopping: draining replicas on every node", flush=True)
+        self.controller.shutdown(drain_timeout=self.settings.drain_timeout, wait=self.settings.drain_wait)
+        if self.agent_thread is not None:
+            self.agent_thread.join(self.settings.drain_wait)
+        if self.agent_process is not None:
+            try:
+                self.agent_process.wait(timeout=self.settings.drain_wait)
+            except subprocess.TimeoutExpired:
+                log.warning("node agent did not exit; killing it")
+                self.agent_process.kill()
+                self.agent_process.wait()
+        self.controller.stop()
+        self.router.stop()
+        self.listener.close()
+        print("exaserve: stopped: every replica and this node's agent have exited", flush=True)

@@ -1,0 +1,7 @@
+"""`python -m exaserve_hpc.launcher ARGS` is `exaserve launch ARGS` (what the batch script runs)."""
+
+import sys
+
+from .rank import main
+
+sys.exit(main())
