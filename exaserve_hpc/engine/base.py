@@ -17,10 +17,9 @@ Call protocol (one thread drives an engine; it is not thread-safe):
    ``step()``; unknown or already finished ids are ignored.
 5. ``stats()`` for telemetry; ``shutdown()`` at the end (idempotent).
 
-This step protocol is what every backend implements. Callers that want
-``submit(request) -> async token chunks``, ``drain()`` and an engine running
-in its own thread wrap it in ``engine/async_engine.AsyncEngine``; the replica
-process drives the step protocol directly from its ZeroMQ loop.
+This step protocol is what every backend implements (engine/registry.py
+lists them); the replica process drives it directly from its ZeroMQ loop
+(agent/replica_main.py), which is also where draining lives.
 """
 
 from __future__ import annotations
