@@ -119,6 +119,7 @@ class GpuInfo(msgspec.Struct, omit_defaults=True):
     utilization: float = 0.0
     temperature: float = 0.0
     power_watts: float = 0.0
+    nvlink_domain: int = -1  # NVML's NVLink grouping (GPUs sharing one domain); -1: unknown, the site config says
 
 
 class ReplicaStatus(msgspec.Struct, omit_defaults=True):

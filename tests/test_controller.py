@@ -19,7 +19,7 @@ import zmq
 from exaserve_hpc.cache.manifest import write_manifest
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.protocol import (
-    AgentHeartbeat, AgentHello, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
+    AgentHeartbeat, AgentHello, GpuInfo, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
     ReplicaStatus, StartReplica, StopReplica, decode, encode,
 )
 from exaserve_hpc.scheduler.controller import Controller
@@ -88,9 +88,13 @@ class FakeAgent:
     def send(self, message) -> None:
         self.socket.send(encode(message))
 
-    def hello(self, free: int = 8 * GiB, l2: L2Status | None = None, host_total: int = 0) -> None:
+    def hello(self, free: int = 8 * GiB, l2: L2Status | None = None, host_total: int = 0, gpus: int = 0,
+              gpu_memory: int = 80 * GiB) -> None:
+        """A CPU node whose pool holds `free` bytes, or a node with `gpus` GPUs of `gpu_memory` each."""
+        devices = [GpuInfo(index=i, name="H100", memory_total=gpu_memory) for i in range(gpus)]
+        pool = [gpu_memory] * gpus or [free]
         self.send(AgentHello(agent_id=self.agent_id, hostname=self.agent_id, pid=1, host_memory_total=host_total,
-                             memory=MemoryPoolStatus(block_size=1 << 20, total=[free], free=[free]),
+                             gpus=devices, memory=MemoryPoolStatus(block_size=1 << 20, total=pool, free=pool),
                              l2=l2 or L2Status(capacity=GiB)))
 
     def heartbeat(self, replicas=(), free: int = 8 * GiB, l2: L2Status | None = None, host_used: int = 0,
@@ -163,16 +167,18 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
 
 
 def test_start_carries_engine_settings_and_heartbeat_load_progress_reaches_status(make_controller):
-    controller, _, (agent,) = make_controller(replicas=1, model={"tensor_parallel": 2})
+    controller, _, (agent,) = make_controller(replicas=1, model={"tensor_parallel": 2, "gpu_memory_utilization": 0.5})
     l2 = L2Status(capacity=GiB, used=4096, entries=[L2EntryStatus(model=MODEL, nbytes=4096, state="filling")])
-    agent.hello(l2=l2)
+    agent.hello(l2=l2, gpus=4)
     start = agent.expect(StartReplica)
     assert start.replica_id == f"{MODEL}/r0000"
     s = start.settings
     assert (s.enable_prefix_caching, s.kv_cache_dtype, s.chunked_prefill, s.prefill_chunk_tokens) == \
         (False, "fp8", False, 128)
     assert (start.coalesce_ms, start.coalesce_tokens) == (7.0, 5)  # router.coalesce_* reach the replica
-    assert start.devices == 2  # the model's tensor_parallel: devices reserved on one node
+    assert start.devices == 2  # the model's tensor_parallel: devices reserved on one node ...
+    assert start.gpu_indices == [0, 1]  # ... the ones the plan chose (one NVLink domain) ...
+    assert start.memory_bytes == 40 * GiB  # ... and what the plan reserved: gpu_memory_utilization x 80 GiB
 
     agent.heartbeat([ReplicaStatus(replica_id=start.replica_id, model=MODEL, state="loading", pid=0,
                                    load_progress=0.25, load_bytes_done=1024, load_bytes_total=4096,
@@ -237,13 +243,23 @@ def test_demand_history_splits_the_total_by_outstanding_requests():
     assert demand.history() == {"m1": [20.0, 4.0], "m2": [10.0, 0.0]}
 
 
-def test_assign_replicas_honours_a_preferred_placement_where_it_can():
-    from exaserve_hpc.scheduler.controller import assign_replicas
-    replicas = [(f"m/r{i}", "m") for i in range(4)]
-    current = {rid: None for rid, _ in replicas}
-    preferred = {"m/r0": "b", "m/r1": "b", "m/r2": "gone", "m/r3": "b"}
-    result = assign_replicas(replicas, ["a", "b"], current, max_per_node=2, preferred=preferred)
-    assert result == {"m/r0": "b", "m/r1": "b", "m/r2": "a", "m/r3": "a"}
+def test_a_preferred_placement_is_honoured_where_it_has_room(tmp_path):
+    from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+    from exaserve_hpc.scheduler.live_placement import fleet_topology, place_pending
+    site = make_site(tmp_path, 4, scheduler={"max_replicas_per_node": 2})
+    inventory = [{"hostname": h, "host_memory": 8 * GiB} for h in ("a", "b")]
+    pending = [(f"{MODEL}/r{i:04d}", MODEL) for i in range(4)]
+    preferred = {f"{MODEL}/r0000": "b", f"{MODEL}/r0001": "b", f"{MODEL}/r0002": "gone", f"{MODEL}/r0003": "b"}
+    result = place_pending(fleet_topology(site, inventory), catalogue_from_site(site), 2, [], pending,
+                           preferred=preferred)
+    assert {rid: a.node for rid, a in result.placed.items()} == {
+        f"{MODEL}/r0000": "b", f"{MODEL}/r0001": "b", f"{MODEL}/r0002": "a", f"{MODEL}/r0003": "a"}
+    # a closed node keeps what it holds and takes nothing; the reason says so
+    held = [result.placed[f"{MODEL}/r0000"]]
+    again = place_pending(fleet_topology(site, inventory), catalogue_from_site(site), 2, held,
+                          pending[1:], closed={"a": "short of device memory", "b": "short of device memory"})
+    assert not again.placed and all("OOM guard): a (short of device memory)" in why
+                                    for why in again.unplaced.values())
 
 
 def test_restored_placement_sends_replicas_back_to_their_nodes(make_controller):
@@ -285,7 +301,7 @@ def model_status(controller: Controller) -> dict:
     return model
 
 
-def test_scale_up_places_fresh_replicas_where_there_is_room_and_the_rest_wait_with_a_reason(make_controller):
+def test_scale_up_places_fresh_replicas_where_there_is_room_and_the_target_is_cut_to_it(make_controller):
     controller, router, (a, b) = make_controller(
         agents=("a", "b"), replicas=1, scheduler={"max_replicas_per_node": 1, "scale_up_threshold": 0.5},
         model={"min_replicas": 1, "max_batch_size": 2})
@@ -299,14 +315,15 @@ def test_scale_up_places_fresh_replicas_where_there_is_room_and_the_rest_wait_wi
 
     started = b.expect(StartReplica)
     assert started.replica_id == f"{MODEL}/r0001"
-    status = wait_for(lambda: (m := model_status(controller))["target"] == 4 and m, what="target 4")
-    assert status["current"] == 1 and status["last_scale"]["from"] == 1 and status["last_scale"]["to"] == 4
+    # The autoscaler asked for 4; two nodes of one replica each hold 2: the target is cut to what fits.
+    status = wait_for(lambda: (m := model_status(controller))["bounded"] and m, what="a bounded target")
+    assert status["target"] == 2 and status["current"] == 1
+    assert status["last_scale"]["from"] == 1 and status["last_scale"]["to"] == 4
     assert "load 1.50 > scale_up_threshold 0.5" in status["last_scale"]["reason"]
-    waiting = {r["replica_id"]: r for r in controller.status()["replicas"] if r["node"] is None}
-    assert sorted(waiting) == [f"{MODEL}/r0002", f"{MODEL}/r0003"]
-    assert all("max_replicas_per_node (1)" in r["detail"] and r["state"] == "pending" for r in waiting.values())
-    a.quiet(StartReplica, 0.3)  # a is full; the starting replica counts, so no further ids are issued
-    assert len(controller.replicas) == 4
+    assert status["bounded"].startswith("target 4 cut to 2: room for 1 more")
+    assert "max_replicas_per_node (1)" in status["bounded"]
+    a.quiet(StartReplica, 0.3)  # a is full; nothing waits for room, no further ids are issued
+    assert len(controller.replicas) == 2
 
 
 def test_scale_down_drains_the_least_busy_in_the_router_before_stopping_them(make_controller):

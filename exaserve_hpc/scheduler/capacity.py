@@ -17,15 +17,24 @@ rate to `replicas_for_target` once one exists). Assumptions:
   overlaps them, so real throughput is somewhat higher: the estimate errs
   towards more replicas).
 Replicas = ceil(target_qps x (1 + headroom) / requests_per_s_per_replica).
+
+`placeable_replicas` is the other side of capacity: how many more replicas the machine has room for, as the
+placer would place them; the controller cuts the autoscaler's target to it, and `exaserve plan --capacity`
+prints both per model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..topology import Topology
 from ..units import format_size
 from .catalogue import ModelSpec
+from .occupancy import Occupancy
+from .placement import Placer, capacity_problem, shape_problem
+from .plan import Plan
 
 HEADROOM = 0.30
 
@@ -106,3 +115,19 @@ def replicas_for_target(spec: ModelSpec, target_qps: float, input_tokens: int, o
     return CapacityEstimate(spec.name, replicas, rps, headroom,
                             f"{target_qps:g} req/s x {1 + headroom:.2f} headroom / {rps:.2f} req/s per replica "
                             f"({basis}); floor min_replicas {spec.min_replicas}")
+
+
+def placeable_replicas(plan: Plan, topology: Topology, spec: ModelSpec, max_replicas_per_node: int, limit: int,
+                       down: Iterable[str] = ()) -> tuple[int, str]:
+    """How many more replicas of `spec` fit beside `plan` (at most `limit`), placed as the placer would,
+    and why no more fit ("" when `limit` fit). The bound the autoscaler's target is cut to: a target past
+    it would only add replicas that wait for room."""
+    problem = shape_problem(spec, topology)
+    if problem is not None or limit <= 0:
+        return 0, problem or ""
+    occ = Occupancy.from_plan(topology, plan, max_replicas_per_node, down)
+    placer = Placer(occ)
+    for k in range(limit):
+        if placer.place(spec, f"{spec.name}/probe{k}") is None:
+            return k, capacity_problem(spec, occ)
+    return limit, ""

@@ -25,7 +25,7 @@ def _finite(x: float) -> Optional[float]:
 def controller_status(ctl: "Controller") -> dict:
     """The fleet as one JSON-ready dict (see the module docstring)."""
     routed = {r["replica_id"]: r for r in ctl.router.snapshot().get("replicas", [])}
-    with ctl._lock:
+    with ctl.fleet.lock:
         return {
             "site": ctl.site.site,
             "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
@@ -38,7 +38,7 @@ def controller_status(ctl: "Controller") -> dict:
                  "lost_since": (round(time.time() - (ctl.clock() - ctl.lost_at[a.agent_id]), 3)
                                 if a.lost and a.agent_id in ctl.lost_at else None),
                  "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
-                 "memory_closed": a.memory_closed or None,
+                 "memory_closed": a.memory_closed or None, "suspect": a.suspect or None,
                  "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
                          "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
                 for a in ctl.agents.values()
@@ -46,6 +46,9 @@ def controller_status(ctl: "Controller") -> dict:
             "replicas": [
                 {"replica_id": r.replica_id, "model": r.model, "version": r.version, "state": r.state.value,
                  "node": r.agent_id,
+                 "nodes": list(r.assignment.nodes) if r.assignment else [],
+                 "gpus": list(r.assignment.gpus) if r.assignment else [],
+                 "memory_bytes": r.assignment.bytes_per_gpu if r.assignment else 0,
                  "pid": r.pid, "endpoint": ctl.router.backend_endpoint if r.replica_id in routed else None,
                  "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),
                  "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
@@ -55,6 +58,7 @@ def controller_status(ctl: "Controller") -> dict:
                 for r in ctl.replicas.values()
             ],
             "models": models_summary(ctl),
+            "placement": ctl.placement.status(),
             "oom": {"evictions": list(ctl.oom.evictions), "unresolved": list(ctl.oom.unresolved)},
             "router": {k: v for k, v in ctl.router.snapshot().items() if k != "replicas"},
             "restored": restored_summary(ctl.restored),
@@ -68,9 +72,12 @@ def models_summary(ctl: "Controller") -> list[dict]:
         name = model.model_name
         mine = [r for r in ctl.replicas.values() if r.model == name]
         latest, (scaled, at) = ctl.decisions.get(name), ctl.last_scaling.get(name, (None, 0.0))
+        minimum, serving = ctl.site.min_replicas(model), sum(r.serving for r in mine)
         summary.append({
-            "model": name, "min_replicas": ctl.site.min_replicas(model),
-            "current": sum(r.serving for r in mine), "target": sum(not r.stopping for r in mine),
+            "model": name, "min_replicas": minimum,
+            "current": serving, "target": sum(not r.stopping for r in mine),
+            "below_min": below_min_reason(mine) if serving < minimum else None,
+            "bounded": ctl.bounded.get(name),
             "stopping": sum(r.stopping for r in mine),
             "load": _finite(latest.load) if latest is not None else None,
             "decision": latest.reason if latest is not None else None,
@@ -78,6 +85,13 @@ def models_summary(ctl: "Controller") -> list[dict]:
                             "load": _finite(scaled.load), "reason": scaled.reason}
                            if scaled is not None else None)})
     return summary
+
+
+def below_min_reason(records) -> str:
+    """Why a model has fewer serving replicas than its minimum: each of its replicas not serving, and why."""
+    waiting = [f"{r.replica_id} {r.state.value}{' on ' + r.agent_id if r.agent_id else ''}: {r.detail}"
+               for r in records if not r.serving and not r.stopping]
+    return "; ".join(waiting) or "no replica of it exists yet"
 
 
 def restored_summary(state) -> Optional[dict]:

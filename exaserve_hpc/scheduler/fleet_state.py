@@ -1,9 +1,10 @@
-"""What the controller knows about its fleet, and the pure rule that assigns replicas to node agents.
+"""What the controller knows about each node agent and replica, and the pure rules read from them.
 
 `AgentRecord` and `ReplicaRecord` are the controller's view of each node agent
-and replica; `assign_replicas` decides which live agent starts each replica
-that has none, `model_loads` turns the records and the router's counters into
-the autoscaler's input, and `pick_for_removal` chooses what a scale-down stops
+and replica (a placed replica holds the planner's `Assignment`: its nodes,
+device indices and reserved bytes; live_placement.py decides them);
+`model_loads` turns the records and the router's counters into the
+autoscaler's input, and `pick_for_removal` chooses what a scale-down stops
 (no sockets, no clock: the controller thread carries them out).
 """
 
@@ -18,7 +19,7 @@ from ..agent.load_failover import NodeView
 from ..config import SiteConfig
 from ..protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
 from .autoscale import ModelLoad
-from .plan import replica_id, replica_index
+from .plan import Assignment, replica_index
 
 
 @dataclass
@@ -37,12 +38,15 @@ class AgentRecord:
     gpu_telemetry: list[GpuInfo] = field(default_factory=list)  # latest NVML reading (not every heartbeat has one)
     telemetry_at: float = 0.0  # clock() of the latest memory reading (GPU telemetry, or host memory on a CPU node)
     memory_closed: str = ""  # why placement skips this node (short of memory, oom_control.py); "" = open
+    inventory: dict = field(default_factory=dict)  # the node as the topology sees it (live_placement.hello_inventory)
+    suspect: str = ""  # why a replica failed here past its restart limit (shown in status); "" = none
 
     @classmethod
     def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":
+        from .live_placement import hello_inventory
         return cls(agent_id, hello.hostname, hello.pid, now, len(hello.gpus), hello.host_memory_total,
                    memory=hello.memory, l2=hello.l2, gpu_telemetry=list(hello.gpus),
-                   telemetry_at=now if hello.gpus else 0.0)
+                   telemetry_at=now if hello.gpus else 0.0, inventory=hello_inventory(agent_id, hello))
 
     def on_heartbeat(self, beat: AgentHeartbeat, now: float) -> None:
         """Copy the heartbeat's telemetry; agents send NVML readings only every few beats, so keep the last."""
@@ -76,8 +80,14 @@ class ReplicaRecord:
     load_bytes_done: int = 0
     load_bytes_total: int = 0
     load_source: str = ""
-    tried_agents: set[str] = field(default_factory=set)  # agents whose weight load failed for it (load failover)
+    # nodes placement avoids for it: its weights did not load there (load failover), its reservation was
+    # refused there, or it failed there past its restart limit; cleared once it serves
+    tried_agents: set[str] = field(default_factory=set)
     stopping: bool = False  # scaled down: drained and told to stop; forgotten once it reports stopped
+    assignment: Optional[Assignment] = None  # where the plan put it (stage 0's node is agent_id)
+    kv_snapshot_in: str = ""  # a moved replica starts from the KV snapshot its predecessor wrote
+    failure: str = ""  # why it left its last node for good (past its restart limit there), for status
+    given_up: str = ""  # why it is not placed again (e.g. a bad checkpoint); "" = placement retries
 
     @property
     def serving(self) -> bool:
@@ -93,41 +103,6 @@ class ReplicaRecord:
 def desired_replicas(site: SiteConfig) -> list[tuple[str, str]]:
     """(replica_id, model) for every replica the site asks for, ids stable across restarts."""
     return [(f"{m.model_name}/r{i:04d}", m.model_name) for m in site.models for i in range(site.initial_replicas(m))]
-
-
-def assign_replicas(replicas: list[tuple[str, str]], agents: list[str], current: dict[str, Optional[str]],
-                    max_per_node: int, preferred: Optional[dict[str, str]] = None,
-                    closed: Iterable[str] = ()) -> dict[str, Optional[str]]:
-    """Give every replica without a live agent the live agent with the fewest replicas.
-
-    Pure: `current` maps replica id -> agent id (None: unassigned or its agent was lost).
-    `preferred` (replica id -> agent id, e.g. the placement restored from a checkpoint) is honoured
-    first where that agent is live and has room. `closed` agents (short of memory) keep the replicas
-    they hold but get no new one. Replicas that fit nowhere stay None. Ties go to the agent listed first.
-    """
-    result = {rid: (agent if agent in agents else None) for rid, agent in current.items()}
-    for rid, _ in replicas:
-        result.setdefault(rid, None)
-    counts = {a: 0 for a in agents}
-    for agent in result.values():
-        if agent is not None:
-            counts[agent] += 1
-    closed_set = set(closed)
-    open_agents = [a for a in agents if a not in closed_set]
-    for rid, _ in replicas:
-        agent = (preferred or {}).get(rid)
-        if result[rid] is None and agent in counts and agent not in closed_set and counts[agent] < max_per_node:
-            result[rid] = agent
-            counts[agent] += 1
-    for rid, _ in replicas:
-        if result[rid] is not None or not open_agents:
-            continue
-        agent = min(open_agents, key=lambda a: (counts[a], open_agents.index(a)))
-        if counts[agent] >= max_per_node:
-            continue
-        result[rid] = agent
-        counts[agent] += 1
-    return result
 
 
 def in_flight(routed: Mapping[str, dict], rid: str) -> int:
@@ -156,27 +131,20 @@ def model_loads(site: SiteConfig, records: Iterable[ReplicaRecord], routed: Mapp
     return loads
 
 
-def fresh_replica_ids(model: str, next_index: int, taken: Iterable[str], count: int) -> list[str]:
-    """`count` new ids `{model}/rNNNN`, numbered from `next_index` on and past every id in `taken`: an id
-    once used is never given to another replica, so logs and the router never confuse two of them."""
-    highest = max((replica_index(rid) for rid in taken if rid.startswith(f"{model}/r")), default=-1)
-    start = max(next_index, highest + 1)
-    return [replica_id(model, start + k) for k in range(count)]
-
-
-def pick_for_removal(records: Iterable[ReplicaRecord], routed: Mapping[str, dict], count: int) -> list[str]:
+def pick_for_removal(records: Iterable[ReplicaRecord], routed: Mapping[str, dict], count: int,
+                     group_of: Mapping[str, str] = {}) -> list[str]:
     """The `count` replicas a scale-down stops: those not serving first (nothing in flight), then the
-    fewest requests in flight, then the newest."""
-    ranked = sorted((r for r in records if not r.stopping),
-                    key=lambda r: (r.serving, in_flight(routed, r.replica_id), -replica_index(r.replica_id)))
-    return [r.replica_id for r in ranked[:max(0, count)]]
-
-
-def unplaced_reason(live_agents: int, max_per_node: int, closed: int = 0) -> str:
-    if not live_agents:
-        return "not placed: no live node agent"
-    if closed:
-        return (f"not placed: {closed} of {live_agents} live node(s) short of device memory (OOM guard), "
-                f"the others hold max_replicas_per_node ({max_per_node}); waits for room")
-    return (f"not placed: all {live_agents} live node(s) hold max_replicas_per_node ({max_per_node}); "
-            "waits for room")
+    fewest requests in flight, then from the fault group holding most of the model's replicas (so the
+    spread across groups holds; `group_of`: node -> fault group), then the newest."""
+    chosen: list[str] = []
+    left = [r for r in records if not r.stopping]
+    for _ in range(max(0, min(count, len(left)))):
+        per_group: dict[str, int] = {}
+        for r in left:
+            g = group_of.get(r.agent_id or "", "")
+            per_group[g] = per_group.get(g, 0) + 1
+        best = min(left, key=lambda r: (r.serving, in_flight(routed, r.replica_id),
+                                        -per_group[group_of.get(r.agent_id or "", "")], -replica_index(r.replica_id)))
+        chosen.append(best.replica_id)
+        left.remove(best)
+    return chosen

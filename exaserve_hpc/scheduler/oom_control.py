@@ -2,7 +2,7 @@
 
 Every `interval` (the heartbeat interval) the controller hands `OomControl.tick` its records; it builds
 the pure guard's (oom_guard.py) inputs and stops what the guard evicts the way a scale-down does
-(`Controller._retire`: drained in the router, then stopped; nothing accepted is lost).
+(`Fleet.retire`: drained in the router, then stopped; nothing accepted is lost).
 
 Inputs, from each live agent's latest heartbeat:
 - readings (`agent_readings`): one per GPU from the agent's NVML telemetry (agents send it every few
@@ -17,7 +17,7 @@ Inputs, from each live agent's latest heartbeat:
 A node where the guard acted is looked at again only once fresh telemetry has arrived from it, so a stale
 NVML reading does not evict a second replica for a shortage the first eviction already covers.
 
-Anti-thrash: a node is closed to placement (`AgentRecord.memory_closed`; `assign_replicas` skips it and load
+Anti-thrash: a node is closed to placement (`AgentRecord.memory_closed`; placement skips it and load
 failover sees no free memory there) while it is short, and for `scheduler.cooldown_period` after an
 eviction on it, so the autoscaler's replacement for an evicted replica goes to another node or waits,
 instead of being started on the node that just ran short.
@@ -32,13 +32,13 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..protocol import MemoryPoolStatus
-from .catalogue import catalogue_from_site
 from .fleet_state import AgentRecord, ReplicaRecord
 from .oom_guard import MemoryReading, OomDecision, oom_guard
 from .plan import Assignment, Plan, Stage
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .demand import DemandHistory
+    from .fleet import Fleet
 
 log = logging.getLogger("exaserve.oom")
 
@@ -101,14 +101,17 @@ def request_rates(history: Mapping[str, list[float]], interval: float) -> dict[s
 
 
 class OomControl:
-    """Runs the OOM guard on the controller thread (lock held): `tick(now)` from the controller's tick."""
+    """Runs the OOM guard on the controller thread (lock held): `tick(now)` from the controller's tick.
+    Request rates come from `demand` (samples of `demand_interval` seconds)."""
 
-    def __init__(self, controller: "Controller", margin: float = MARGIN):
-        self.controller = controller
+    def __init__(self, fleet: "Fleet", demand: "DemandHistory", demand_interval: float, margin: float = MARGIN):
+        self.fleet = fleet
+        self.demand = demand
+        self.demand_interval = demand_interval
         self.margin = margin
-        self.interval = controller.site.heartbeat.interval  # seconds between checks
-        self.hold = controller.site.scheduler.cooldown_period  # a node stays closed this long after an eviction
-        self.catalogue = catalogue_from_site(controller.site)
+        self.interval = fleet.site.heartbeat.interval  # seconds between checks
+        self.hold = fleet.site.scheduler.cooldown_period  # a node stays closed this long after an eviction
+        self.catalogue = fleet.catalogue
         self.evictions: deque[dict] = deque(maxlen=KEPT_EVICTIONS)  # for status()
         self.unresolved: list[str] = []  # the latest check's
         self._next_check = 0.0
@@ -120,12 +123,12 @@ class OomControl:
         if now < self._next_check:
             return
         self._next_check = now + self.interval
-        ctl = self.controller
-        live = [a for a in ctl.agents.values() if not a.lost]
-        plan, releasing = fleet_plan(ctl.site.site, live, ctl.replicas.values())
+        fleet = self.fleet
+        live = fleet.live_agents()
+        plan, releasing = fleet_plan(fleet.site.site, live, fleet.replicas.values())
         fresh = [a for a in live if a.telemetry_at > self._acted_at.get(a.agent_id, -1.0)]
         readings = [r for a in fresh for r in agent_readings(a, releasing)]
-        decision = oom_guard(plan, self.catalogue, readings, request_rates(ctl.demand.history(), ctl.demand_interval),
+        decision = oom_guard(plan, self.catalogue, readings, request_rates(self.demand.history(), self.demand_interval),
                              self.margin)
         self._evict(decision, now)
         self._warn(decision.unresolved)
@@ -139,9 +142,9 @@ class OomControl:
                 agent.memory_closed = ""
 
     def _evict(self, decision: OomDecision, now: float) -> None:
-        ctl = self.controller
+        fleet = self.fleet
         for eviction in decision.evictions:
-            record = ctl.replicas.get(eviction.replica_id)
+            record = fleet.replicas.get(eviction.replica_id)
             if record is None or record.stopping:
                 continue
             log.warning("OOM guard: evicting %s (%s) from %s: %s", eviction.replica_id, eviction.model,
@@ -149,10 +152,10 @@ class OomControl:
             self.evictions.append({"at": round(time.time(), 3), "replica_id": eviction.replica_id,
                                    "model": eviction.model, "node": eviction.node, "device": eviction.device,
                                    "priority": round(eviction.priority, 3), "reason": eviction.reason})
-            agent = ctl.agents.get(eviction.node)
+            agent = fleet.agents.get(eviction.node)
             self._acted_at[eviction.node] = agent.telemetry_at if agent is not None else now
             self._closed_until[eviction.node] = now + self.hold
-            ctl._retire(record, f"evicted by the OOM guard: {eviction.reason}")
+            fleet.retire(record, f"evicted by the OOM guard: {eviction.reason}")
             record.detail = f"evicted by the OOM guard: {eviction.reason}"
 
     def _warn(self, unresolved: list[str]) -> None:

@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from ..config import SiteConfig
-from .fleet_state import ReplicaRecord, fresh_replica_ids, pick_for_removal
-from .plan import replica_index
+from .fleet_state import ReplicaRecord, pick_for_removal
 
 if TYPE_CHECKING:
     from ..router.canary import Rollout
-    from .controller import Controller
+    from .fleet import Fleet
 
 log = logging.getLogger("exaserve.rollout")
 
@@ -75,8 +74,8 @@ class RolloutFleet:
     """The controller's rollout state. `changed` may be called from any thread; the rest runs on the
     controller thread (the controller calls `model_dir`, `stable`, `scalable` and `tick`)."""
 
-    def __init__(self, controller: "Controller"):
-        self.controller = controller
+    def __init__(self, fleet: "Fleet"):
+        self.fleet = fleet
         self.models: dict[str, ModelVersions] = {}
 
     # ---------------------------------------------------------------- read by the controller
@@ -89,7 +88,7 @@ class RolloutFleet:
         versions = self.models.get(record.model)
         if record.version and versions and record.version in versions.dirs:
             return versions.dirs[record.version]
-        site = self.controller.site
+        site = self.fleet.site
         return str(site.model_dir(site.model(record.model)))
 
     def scalable(self, model: str, active: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
@@ -104,57 +103,52 @@ class RolloutFleet:
 
     def changed(self, action: str, rollout: "Rollout", version: str, model_dir: Optional[str]) -> None:
         """The router's table took `action` (start/promote/rollback) for `version`; make the fleet follow."""
-        self.controller._commands.put(lambda: self._apply(action, rollout, version, model_dir))
+        self.fleet.submit(lambda: self._apply(action, rollout, version, model_dir))
 
     def _apply(self, action: str, rollout: "Rollout", version: str, model_dir: Optional[str]) -> None:
-        c = self.controller
-        with c._lock:
-            versions = self.models.setdefault(rollout.model, ModelVersions())
-            active = c._active(rollout.model)
-            if action == "start":
-                if model_dir:
-                    versions.dirs[version] = model_dir
-                versions.stable, versions.canary = rollout.stable, version
-                stable = sum(r.version == versions.stable for r in active)
-                have = sum(r.version == version for r in active)
-                self._add(rollout.model, version, canary_replicas(stable, rollout.weight) - have,
-                          f"canary {version} at {rollout.weight:.0%}")
-            elif action == "promote":
-                old = sum(r.version == versions.stable for r in active)
-                versions.stable, versions.canary = version, None
-                have = sum(r.version == version for r in active)
-                self._add(rollout.model, version, old - have, f"promoted {version}")
-            elif action == "rollback":
-                versions.stable, versions.canary = rollout.stable, None
-                for record in active:
-                    if record.version == version:
-                        c._retire(record, f"rollback of {rollout.model} {version}")
-            c._place(c.clock())
+        """On the controller thread, fleet lock held (Fleet.submit); the next tick places what it adds."""
+        fleet = self.fleet
+        versions = self.models.setdefault(rollout.model, ModelVersions())
+        active = fleet.active(rollout.model)
+        if action == "start":
+            if model_dir:
+                versions.dirs[version] = model_dir
+            versions.stable, versions.canary = rollout.stable, version
+            stable = sum(r.version == versions.stable for r in active)
+            have = sum(r.version == version for r in active)
+            self._add(rollout.model, version, canary_replicas(stable, rollout.weight) - have,
+                      f"canary {version} at {rollout.weight:.0%}")
+        elif action == "promote":
+            old = sum(r.version == versions.stable for r in active)
+            versions.stable, versions.canary = version, None
+            have = sum(r.version == version for r in active)
+            self._add(rollout.model, version, old - have, f"promoted {version}")
+        elif action == "rollback":
+            versions.stable, versions.canary = rollout.stable, None
+            for record in active:
+                if record.version == version:
+                    fleet.retire(record, f"rollback of {rollout.model} {version}")
 
     def _add(self, model: str, version: str, count: int, reason: str) -> None:
-        c = self.controller
-        rids = fresh_replica_ids(model, c._next_index[model], c.replicas, count)
-        for rid in rids:
-            c.replicas[rid] = ReplicaRecord(rid, model, version=version, detail=f"rollout: {reason}")
-        if rids:
-            c._next_index[model] = replica_index(rids[-1]) + 1
-            log.info("rollout %s: %s; adding %s", model, reason, ", ".join(rids))
+        added = self.fleet.add(model, count, f"rollout: {reason}", version=version)
+        if added:
+            log.info("rollout %s: %s; adding %s", model, reason, ", ".join(r.replica_id for r in added))
 
     # ---------------------------------------------------------------- every tick
 
     def tick(self) -> None:
         """Stop old-version replicas of promoted models as the new version's replicas come up (lock held)."""
-        c = self.controller
+        fleet = self.fleet
         routed: Optional[dict[str, dict]] = None
         for model, versions in self.models.items():
-            active = c._active(model)
+            active = fleet.active(model)
             old = [r for r in active if r.version not in (versions.stable, versions.canary)]
             new = [r for r in active if r.version == versions.stable]
             if not old or not new:  # nothing to replace, or nothing to replace it with
                 continue
             if routed is None:
-                routed = {r["replica_id"]: r for r in c.router.snapshot().get("replicas", [])}
+                routed = {r["replica_id"]: r for r in fleet.router.snapshot().get("replicas", [])}
             for rid in old_to_retire(old, sum(r.serving for r in new), len(new), routed):
                 log.info("rollout %s: replacing %s (version %r) by version %r", model, rid,
-                         c.replicas[rid].version, versions.stable)
-                c._retire(c.replicas[rid], f"replaced by {model} version {versions.stable!r}")
+                         fleet.replicas[rid].version, versions.stable)
+                fleet.retire(fleet.replicas[rid], f"replaced by {model} version {versions.stable!r}")

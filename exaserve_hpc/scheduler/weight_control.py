@@ -9,7 +9,8 @@ which models each node loads into its L2 before they are asked for.
   is not asked for again on that node until a heartbeat has had time to show it in the node's L2.
 
 Decisions are the pure functions; `WeightControl` carries them out on the controller thread, holding the
-controller's lock.
+fleet's lock: the replica goes to the chosen node where the planner finds it a slot there
+(`PlacementControl.place_on`), else wherever the planner puts it, avoiding the nodes that failed it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ..config import SiteConfig
 from ..protocol import LoadFailed, Prefetch
 
 if TYPE_CHECKING:
-    from .controller import Controller
-    from .fleet_state import ReplicaRecord
+    from .fleet import Fleet
+    from .placement_control import PlacementControl
 
 log = logging.getLogger("exaserve.controller")  # these lines were the controller's; their logger stays
 
@@ -49,59 +50,52 @@ def model_bytes(site: SiteConfig) -> dict[str, int]:
 class WeightControl:
     """Load failover and L2 prefetch; the controller calls `on_load_failed` and `prefetch` on its thread."""
 
-    def __init__(self, controller: "Controller"):
-        self.controller = controller
+    def __init__(self, fleet: "Fleet", placement: "PlacementControl"):
+        self.fleet = fleet
+        self.placement = placement
 
     def on_load_failed(self, agent_id: str, failed: LoadFailed) -> None:
         """Weights would not load on `agent_id`: start the replica on another node, or leave it failed."""
-        ctl = self.controller
+        fleet = self.fleet
         if not failed.replica_id:
             log.warning("prefetch of %s on %s failed (%s): %s", failed.model, agent_id, failed.reason, failed.detail)
             return
-        record = ctl.replicas.get(failed.replica_id)
+        record = fleet.replicas.get(failed.replica_id)
         if record is None or record.agent_id != agent_id:
             return
         if record.stopping:  # scaled down while it loaded: nothing to move
-            ctl._forget(record, "scaled down, weights did not load")
+            fleet.forget(record, "scaled down, weights did not load")
             return
         record.tried_agents.add(agent_id)
-        decision = after_load_failure(failed, self._live_nodes(), record.tried_agents, self._needed_bytes(record))
+        needed = record.assignment.bytes_per_gpu if record.assignment is not None else 0  # what the plan reserves
+        decision = after_load_failure(failed, self._live_nodes(), record.tried_agents, needed)
         record.restart_at = 0.0  # the failover decides, not the same-node restart
         if decision.agent_id is None:
+            record.assignment = None  # its reservation is gone; it stays listed on the node that failed last
             record.state = ReplicaState.FAILED
-            record.detail = f"weights did not load: {decision.why}"
+            record.detail = record.given_up = f"weights did not load: {decision.why}"
             log.error("replica %s stays failed: %s", record.replica_id, decision.why)
             return
         log.warning("replica %s: load failed on %s; starting it on %s (%s)", record.replica_id, agent_id,
                     decision.agent_id, decision.why)
-        record.agent_id = decision.agent_id
-        ctl._start(record)
-
-    def _needed_bytes(self, record: "ReplicaRecord") -> int:
-        """Bytes per device the replica reserves; 0 when its size is unknown (any node may try)."""
-        from ..agent.node_agent import estimate_replica_bytes
-        from ..cache.manifest import CheckpointError
-        try:
-            return estimate_replica_bytes(self.controller._spec(record))
-        except (CheckpointError, OSError, ValueError):
-            return 0
+        self.placement.place_on(record, decision.agent_id, f"weights did not load on {agent_id}")
 
     def _live_nodes(self) -> list[NodeView]:
         """A view of each live node with the number of unfinished replicas placed on it."""
         counts: dict[str, int] = {}
-        for r in self.controller.replicas.values():
+        for r in self.fleet.replicas.values():
             if r.agent_id is not None and not r.state.terminal:
                 counts[r.agent_id] = counts.get(r.agent_id, 0) + 1
-        return [a.view(counts.get(a.agent_id, 0)) for a in self.controller.agents.values() if not a.lost]
+        return [a.view(counts.get(a.agent_id, 0)) for a in self.fleet.live_agents()]
 
-    def prefetch(self, now: float) -> None:
+    def prefetch(self, now: float, demand, demand_interval: float) -> None:
         """Ask each live node to load into L2 the models its demand forecast wants (cache/prefetch.py)."""
-        ctl = self.controller
-        site = ctl.site
+        fleet = self.fleet
+        site = fleet.site
         sizes = model_bytes(site)
-        history = ctl.demand.history()
-        quiet = max(3 * site.heartbeat.interval, 2 * ctl.demand_interval)  # until a heartbeat shows it
-        for agent in ctl.agents.values():
+        history = demand.history()
+        quiet = max(3 * site.heartbeat.interval, 2 * demand_interval)  # until a heartbeat shows it
+        for agent in fleet.agents.values():
             if agent.lost or agent.l2 is None:
                 continue
             recent = {m for m, at in agent.prefetch_sent.items() if now - at < quiet}
@@ -110,5 +104,5 @@ class WeightControl:
                 log.info("prefetch %s into L2 of %s (forecast %.1f requests/interval, evicts %s)", action.model,
                          agent.agent_id, action.forecast, list(action.evicts) or "nothing")
                 agent.prefetch_sent[action.model] = now
-                ctl._send(agent.agent_id, Prefetch(model=action.model,
-                                                   model_dir=str(site.model_dir(site.model(action.model)))))
+                fleet.send(agent.agent_id, Prefetch(model=action.model,
+                                                    model_dir=str(site.model_dir(site.model(action.model)))))

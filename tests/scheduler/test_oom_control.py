@@ -6,7 +6,9 @@ from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.memory_pool import MemoryPool
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, MemoryPoolStatus
-from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord, assign_replicas, unplaced_reason
+from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord
+from exaserve_hpc.scheduler.live_placement import fleet_topology, place_pending
 from exaserve_hpc.scheduler.demand import DemandHistory
 from exaserve_hpc.scheduler.oom_control import (
     OomControl, agent_readings, fleet_plan, is_short, request_rates, reservation_devices,
@@ -73,19 +75,23 @@ def test_request_rates_are_the_mean_of_the_demand_history_per_second():
 
 
 def test_a_node_closed_for_memory_keeps_its_replicas_and_takes_no_new_one():
-    current = {"m/r0": "a", "m/r1": None, "m/r2": None}
-    replicas = [(rid, "m") for rid in current]
-    assert assign_replicas(replicas, ["a", "b"], current, 4, preferred={"m/r1": "a"}, closed=["a"]) == \
-        {"m/r0": "a", "m/r1": "b", "m/r2": "b"}
-    assert assign_replicas(replicas, ["a"], current, 4, closed=["a"]) == {"m/r0": "a", "m/r1": None, "m/r2": None}
-    assert "1 of 1 live node(s) short of device memory" in unplaced_reason(1, 4, closed=1)
+    site = parse_site({"site": "t", "cluster": {"nodes": 2, "nodelist": "a,b"}, "models": [{"model_name": "m"}]})
+    topology, catalogue = fleet_topology(site, [{"hostname": h, "host_memory": 8 * GiB} for h in "ab"]), \
+        catalogue_from_site(site)
+    held = place_pending(topology, catalogue, 4, [], [("m/r0000", "m")], preferred={"m/r0000": "a"}).placed
+    pending = [("m/r0001", "m"), ("m/r0002", "m")]
+    both = place_pending(topology, catalogue, 4, held.values(), pending, preferred={"m/r0001": "a"},
+                         closed={"a": "short"})
+    assert {rid: a.node for rid, a in both.placed.items()} == {"m/r0001": "b", "m/r0002": "b"}
+    alone = place_pending(topology, catalogue, 4, held.values(), pending, closed={"a": "short"}, down=["b"])
+    assert not alone.placed and "short of device memory, OOM guard): a (short)" in alone.unplaced["m/r0001"]
     closed = AgentRecord("a", "a", 1, 0.0, memory=MemoryPoolStatus(block_size=1, total=[8], free=[8]),
                          memory_closed="short")
     assert closed.view(0).largest_reservable == 0  # load failover sees no room there either
 
 
-class FakeController:
-    """What OomControl uses of the Controller: site, agents, replicas, demand, and _retire."""
+class FakeFleet:
+    """What OomControl uses of the Fleet: site, catalogue, agents, replicas, live_agents() and retire()."""
 
     def __init__(self, agents, replicas):
         self.site = parse_site({"site": "t", "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu_memory": "80GiB"},
@@ -94,10 +100,13 @@ class FakeController:
                                            {"model_name": "high", "priority": 90}]})
         self.agents = {a.agent_id: a for a in agents}
         self.replicas = {r.replica_id: r for r in replicas}
-        self.demand, self.demand_interval = DemandHistory(["low", "high"]), 10.0
+        self.catalogue = catalogue_from_site(self.site)
         self.retired: list[str] = []
 
-    def _retire(self, record, reason):
+    def live_agents(self):
+        return [a for a in self.agents.values() if not a.lost]
+
+    def retire(self, record, reason):
         record.stopping = True
         self.retired.append(record.replica_id)
 
@@ -112,8 +121,8 @@ def test_a_gpu_node_is_judged_again_only_on_telemetry_newer_than_its_last_evicti
     gpu = GpuInfo(index=0, name="H100", memory_total=80 * GiB, memory_used=79 * GiB)  # short by ~3 GiB
     agent = AgentRecord.from_hello("g", AgentHello(agent_id="g", hostname="g", pid=1, gpus=[gpu]), now=1.0)
     agent.on_heartbeat(AgentHeartbeat(agent_id="g", seq=1, memory=pool.status()), now=1.0)
-    ctl = FakeController([agent], records)
-    oom = OomControl(ctl)
+    ctl = FakeFleet([agent], records)
+    oom = OomControl(ctl, DemandHistory(["low", "high"]), 10.0)
     oom.tick(now=2.0)
     assert ctl.retired == ["low/r0002"] and agent.memory_closed
     # The evicted replica has exited and its reservation is gone, but the NVML reading is still the old one.

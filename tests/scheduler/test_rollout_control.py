@@ -43,7 +43,7 @@ def test_promote_stops_an_old_replica_only_for_each_new_one_serving_beyond_the_c
 
 
 def test_the_autoscaler_never_stops_a_canary_and_waits_while_old_replicas_are_replaced():
-    fleet = RolloutFleet(controller=None)
+    fleet = RolloutFleet(fleet=None)
     fleet.models["m"] = ModelVersions(stable="", canary="v2")
     stable, canary = record(0, ""), record(1, "v2")
     assert fleet.scalable("m", [stable, canary]) == [stable]
