@@ -30,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
+
+from ..protocol import GpuInfo
 from .memory_pool import MemoryPool
 from .nvml_probe import NvmlDevice, host_memory, read_devices
 
@@ -49,6 +52,7 @@ class GrantedGpu:
     ident: str  # what CUDA_VISIBLE_DEVICES names it by: the UUID when NVML knows it, else granted_id
     memory_free: int = 0  # bytes, from NVML; 0: unknown
     cpus: frozenset[int] = frozenset()  # CPUs near it, from NVML; empty: unknown
+    nvml_index: int = -1  # NVML's index of it; -1: NVML does not know it
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,8 @@ def detect_grant(environ: Mapping[str, str], nvml: Sequence[NvmlDevice],
                  gpus_per_node)
         ids = ids[:gpus_per_node]
     matched = match_nvml(ids, nvml) if not source.startswith("NVML") else {i: nvml[int(i)] for i in ids}
-    gpus = tuple(GrantedGpu(i, matched[i].uuid, matched[i].memory_free, matched[i].cpus) if i in matched
-                 else GrantedGpu(i, i) for i in ids)
+    gpus = tuple(GrantedGpu(i, matched[i].uuid, matched[i].memory_free, matched[i].cpus, matched[i].index)
+                 if i in matched else GrantedGpu(i, i) for i in ids)
     return GpuGrant(gpus, source)
 
 
@@ -147,6 +151,14 @@ def replica_binding(grant: GpuGrant, indices: Sequence[int], allowed_cpus: froze
     devices = tuple(grant.idents(indices))
     near = frozenset().union(*(grant.gpus[i].cpus for i in indices)) & allowed_cpus
     return ReplicaBinding(devices, {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)}, near or None)
+
+
+def granted_telemetry(grant: GpuGrant, readings: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """NVML's readings of the granted GPUs only, indexed as the memory pool's devices: the controller
+    compares reading i with pool device i (its OOM guard), and counts the node's GPUs from them."""
+    by_index = {g.index: g for g in readings}
+    return [msgspec.structs.replace(by_index[g.nvml_index], index=i) for i, g in enumerate(grant.gpus)
+            if g.nvml_index in by_index]
 
 
 def node_grant(gpus_per_node: Optional[int], environ: Optional[Mapping[str, str]] = None) -> GpuGrant:

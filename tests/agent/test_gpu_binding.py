@@ -1,5 +1,8 @@
 """GPU binding as a pure function: which GPUs a node was granted (environment + NVML readings in, a
-grant out), how NVML devices are matched to granted ids, and what one replica is given."""
+grant out), how NVML devices are matched to granted ids, what one replica is given, and what the agent
+reports; and the NVML seam against a stand-in pynvml that records what the real library would be asked."""
+
+import sys
 
 import pytest
 
@@ -118,3 +121,64 @@ def test_without_nvml_affinity_is_left_alone_and_the_granted_ids_are_used():
 def test_a_host_replica_sees_no_gpu():
     binding = replica_binding(GpuGrant(), (0,), frozenset({0, 1}))
     assert binding.devices == () and binding.env["CUDA_VISIBLE_DEVICES"] == "" and binding.cpus is None
+
+
+def test_telemetry_covers_the_granted_gpus_numbered_as_the_pool_numbers_them():
+    from exaserve_hpc.agent.gpu_binding import granted_telemetry
+    from exaserve_hpc.protocol import GpuInfo
+    readings = [GpuInfo(index=i, name="H200", memory_total=GiB, memory_used=i) for i in range(4)]
+    grant = detect_grant({"SLURM_STEP_GPUS": "2,3"}, nvml(4), 2)  # NVML sees all four, two are ours
+    assert [(g.index, g.memory_used) for g in granted_telemetry(grant, readings)] == [(0, 2), (1, 3)]
+    assert granted_telemetry(detect_grant({}, [], 4), readings) == []  # stand-in ids: NVML knows none
+    assert granted_telemetry(detect_grant({}, nvml(4), 0), readings) == []  # a CPU site reports no GPU
+
+
+class StandInNvml:
+    """Records what nvidia-ml-py would be asked and answers as a two-GPU, 72-CPU node would (no GPU here)."""
+
+    class Memory:
+        free, total, used = 70 * GiB, 80 * GiB, 10 * GiB
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        answers = {
+            "nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+            "nvmlDeviceGetHandleByIndex": lambda i: f"handle{i}",
+            "nvmlDeviceGetUUID": lambda h: b"GPU-11" if h == "handle0" else "GPU-22",  # bytes in old releases
+            "nvmlDeviceGetMinorNumber": lambda h: 5 if h == "handle0" else self._fail(),
+            "nvmlDeviceGetMemoryInfo": lambda h: self.Memory(),
+            # CPUs 0-1 and 64-65 near GPU 0 (the mask spans two 64-bit words); nothing reported for GPU 1
+            "nvmlDeviceGetCpuAffinity": lambda h, n: [0b11, 0b11] if h == "handle0" else self._fail(),
+        }
+        if name not in answers:
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, *args))
+            return answers[name](*args)
+        return call
+
+    @staticmethod
+    def _fail():
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+
+def test_read_devices_asks_nvml_for_identity_memory_and_nearby_cpus(monkeypatch):
+    from exaserve_hpc.agent import nvml_probe
+    stand_in = StandInNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", stand_in)
+    monkeypatch.setattr(nvml_probe.os, "cpu_count", lambda: 72)
+    devices, why = nvml_probe.read_devices()
+    assert why == ""
+    assert devices == [NvmlDevice(0, "GPU-11", 5, 70 * GiB, frozenset({0, 1, 64, 65})),
+                       NvmlDevice(1, "GPU-22", -1, 70 * GiB, frozenset())]
+    assert ("nvmlDeviceGetCpuAffinity", "handle0", 2) in stand_in.calls  # two 64-bit words for 72 CPUs
+    assert stand_in.calls[-1] == ("nvmlShutdown",)
+
+
+def test_read_devices_without_nvml_is_an_empty_list_and_a_reason(monkeypatch):
+    from exaserve_hpc.agent import nvml_probe
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as if nvidia-ml-py were missing
+    assert nvml_probe.read_devices() == ([], "nvidia-ml-py is not installed")
