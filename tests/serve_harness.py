@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_local_site(tmp: Path, scheduler: dict | None = None, model: dict | None = None,
-                     router: dict | None = None) -> Path:
+                     router: dict | None = None, **sections: dict) -> Path:
     """site-configs/local.yaml with its checkpoints and run directory under `tmp`, and these sections
     updated; written to tmp/site.yaml, whose path is returned."""
     import yaml
@@ -25,6 +25,8 @@ def write_local_site(tmp: Path, scheduler: dict | None = None, model: dict | Non
     site["scheduler"].update(scheduler or {})
     site.setdefault("router", {}).update(router or {})
     site["models"][0].update(model or {})
+    for name, values in sections.items():  # e.g. weight_cache={"l2_path": ...}, requeue={...}
+        site.setdefault(name, {}).update(values)
     path = tmp / "site.yaml"
     path.write_text(yaml.safe_dump(site))
     return path
@@ -41,9 +43,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_serve(site_file: Path) -> tuple[subprocess.Popen, str, list[str]]:
+def start_serve(site_file: Path, env: dict | None = None) -> tuple[subprocess.Popen, str, list[str]]:
     process = subprocess.Popen([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
-                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     lines: list[str] = []
     url_box: list[str] = []
 
