@@ -13,7 +13,8 @@ cluster.gpus_per_node, the granted count and its source); a larger grant is used
 
 The memory pool's device i is the grant's GPU i. A replica reserving devices (i, j) gets
 CUDA_VISIBLE_DEVICES with their UUIDs when NVML knows them (unambiguous whether or not a cgroup hides
-the other GPUs), else the ids the grant named; CUDA_DEVICE_ORDER=PCI_BUS_ID, so CUDA's numbering
+the other GPUs), else their entries in the step's CUDA_VISIBLE_DEVICES (what CUDA in the step
+understands), else the ids the grant named; CUDA_DEVICE_ORDER=PCI_BUS_ID, so CUDA's numbering
 agrees with NVML's and Slurm's; and the CPUs NVML calls near those GPUs, within the agent's own
 (Slurm's cpuset), when NVML reports any. A replica of the host device gets CUDA_VISIBLE_DEVICES=""
 (no GPU: CUDA sees none) and keeps the agent's CPUs.
@@ -113,13 +114,17 @@ def detect_grant(environ: Mapping[str, str], nvml: Sequence[NvmlDevice],
             f"cluster.gpus_per_node is {gpus_per_node} but this node was granted {len(ids)} GPU(s) "
             f"({source}); ask the scheduler for {gpus_per_node} per node (sbatch --gpus-per-node="
             f"{gpus_per_node}) or set cluster.gpus_per_node to {len(ids)}")
+    # CUDA in the step numbers GPUs as the step's CUDA_VISIBLE_DEVICES does (zero-based under a device
+    # cgroup), not by Slurm's node-wide ids; both lists are ascending, so pair them when counts agree
+    cuda_ids = parse_ids(environ.get("CUDA_VISIBLE_DEVICES", "")) if source.startswith("SLURM_") else []
+    local = dict(zip(ids, cuda_ids)) if len(cuda_ids) == len(ids) else {}
     if gpus_per_node is not None and len(ids) > gpus_per_node:
         log.info("%d GPU(s) granted (%s); the site uses %d (cluster.gpus_per_node)", len(ids), source,
                  gpus_per_node)
         ids = ids[:gpus_per_node]
     matched = match_nvml(ids, nvml) if not source.startswith("NVML") else {i: nvml[int(i)] for i in ids}
     gpus = tuple(GrantedGpu(i, matched[i].uuid, matched[i].memory_free, matched[i].cpus, matched[i].index)
-                 if i in matched else GrantedGpu(i, i) for i in ids)
+                 if i in matched else GrantedGpu(i, local.get(i, i)) for i in ids)
     return GpuGrant(gpus, source)
 
 

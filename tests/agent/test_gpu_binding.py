@@ -36,7 +36,13 @@ def test_parse_ids_reads_slurm_and_cuda_lists(text, expected):
 def test_slurm_step_gpus_win_over_the_job_and_cuda_visible_devices():
     env = {"SLURM_JOB_ID": "7", "SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1,2,3", "CUDA_VISIBLE_DEVICES": "0,1"}
     grant = detect_grant(env, [], 2)
-    assert ids(grant) == ["2", "3"] and grant.source == "SLURM_STEP_GPUS=2,3"
+    assert [g.granted_id for g in grant.gpus] == ["2", "3"] and grant.source == "SLURM_STEP_GPUS=2,3"
+    # without NVML, a GPU is named as CUDA in the step numbers it: its entry in the step's (zero-based
+    # under a device cgroup) CUDA_VISIBLE_DEVICES, paired in order with Slurm's node-wide ids
+    assert ids(grant) == ["0", "1"]
+    assert ids(detect_grant({"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0"}, [], 2)) == ["2", "3"]
+    assert ids(detect_grant({"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}, nvml(4), 2)) == \
+        ["GPU-uuid-2", "GPU-uuid-3"]  # a UUID needs no numbering at all
 
 
 def test_the_job_gpus_then_the_steps_cuda_visible_devices():
