@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -68,7 +69,7 @@ def successor_script(script: str, resume_dir: Path) -> str:
     at = 0  # sbatch reads #SBATCH lines up to the first command, so the export goes there
     while at < len(lines) and (not lines[at].strip() or lines[at].lstrip().startswith("#")):
         at += 1
-    export = f"export {RESUME_VARIABLE}={str(resume_dir)!r}  # exaserve: restore from the predecessor's checkpoint"
+    export = f"export {RESUME_VARIABLE}={shlex.quote(str(resume_dir))}  # exaserve: restore from the predecessor's checkpoint"
     return "\n".join(lines[:at] + [export] + lines[at:]) + "\n"
 
 
