@@ -40,7 +40,8 @@ import zmq
 from ..agent.lifecycle import ReplicaState
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StopReplica,
+    AgentHeartbeat, AgentHello, DecodeError, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello,
+    StopReplica,
     decode, encode,
 )
 from ..router.zmq_router import ZmqRouter, bind
@@ -89,6 +90,7 @@ class Controller:
         self._placement_opens = clock() + placement_grace
         self.lost_at: dict[str, float] = {}  # agent id -> clock() when declared lost (benchmarks read it)
         self.fleet = Fleet(site, router, run_dir)
+        self.fleet.pipelines.rendezvous = self.endpoint  # where pipeline stages find each other (pipeline.py)
         self.started_at = time.time()
         self.restored = None  # controller_state.ControllerState this run started from (a requeued job)
         self.demand = DemandHistory([m.model_name for m in site.models])
@@ -209,6 +211,9 @@ class Controller:
         """One message from an agent (fleet lock held); replies go to the fleet's outbox."""
         now = self.clock()
         fleet = self.fleet
+        if isinstance(message, StageHello):  # a pipeline stage process looking for its peers (pipeline.py)
+            fleet.send(agent_id, fleet.pipelines.on_hello(message))
+            return
         if isinstance(message, AgentHello):
             log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
                      len(message.gpus))
@@ -243,6 +248,8 @@ class Controller:
             self.weights.on_load_failed(agent_id, message)
 
     def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
+        if self.fleet.pipelines.on_stage_event(event):  # a later pipeline stage's process (pipeline.py)
+            return
         record = self.replicas.get(event.replica_id)
         if record is None or record.agent_id != agent_id:
             return
@@ -342,6 +349,8 @@ class Controller:
             log.info("autoscale %s: adding %s", decision.model, ", ".join(r.replica_id for r in added))
 
     def _scale_down(self, decision: ScaleDecision, routed: dict[str, dict]) -> None:
+        if self.placement.moving(decision.model):
+            return  # a move holds one replica more for a while; the next decision after it counts
         active = self.rollouts.scalable(decision.model, self.fleet.active(decision.model))
         keep = max(decision.target, self.site.min_replicas(self.site.model(decision.model)))
         for rid in pick_for_removal(active, routed, len(active) - keep, self.fleet.group_of()):

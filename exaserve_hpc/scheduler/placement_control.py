@@ -61,12 +61,17 @@ class PlacementControl:
         self.violations: list[str] = []
         self._last_round: Optional[float] = None
         self._dirty = False
-        self._spread_audit = True  # off after a failover (it does not move unaffected replicas)
+        # spread is audited only while every placement was made with the same nodes to choose from: failover
+        # and nodes joining later leave it to the rebalancer (which never widens it)
+        self._spread_audit = True
+        self._placed_on: frozenset[str] = frozenset()  # nodes there were when replicas were placed
 
     # ---------------------------------------------------------------- initial placement and scale-up
 
     def place(self) -> None:
         fleet = self.fleet
+        if self._placed_on and not frozenset(fleet.agents) <= self._placed_on:
+            self._spread_audit = False  # a node joined after replicas were placed: spread is the rebalancer's job
         pending = [(rid, r.model) for rid, r in fleet.replicas.items()
                    if r.assignment is None and not r.stopping and not r.given_up]
         if not pending:
@@ -80,6 +85,8 @@ class PlacementControl:
             fleet.topology(), fleet.catalogue, fleet.cap, fleet.held(), pending, preferred=self.preferred,
             avoid={rid: fleet.replicas[rid].tried_agents for rid, _ in pending if fleet.replicas[rid].tried_agents},
             closed={a.agent_id: a.memory_closed for a in live if a.memory_closed}, down=fleet.down())
+        if result.placed:
+            self._placed_on |= frozenset(fleet.agents)
         for rid, assignment in result.placed.items():
             self.preferred.pop(rid, None)
             fleet.start(fleet.replicas[rid], assignment)
@@ -228,6 +235,12 @@ class PlacementControl:
                 del self.moves[rid]
             elif move.phase == "draining old" and move.order == START_FIRST and old is None:
                 del self.moves[rid]
+
+    def moving(self, model: str) -> bool:
+        """A move of one of `model`'s replicas is under way (the autoscaler leaves the model alone meanwhile:
+        the move's extra replica is not demand to scale down)."""
+        return any(m.new in self.fleet.replicas and self.fleet.replicas[m.new].model == model
+                   for m in self.moves.values())
 
     # ---------------------------------------------------------------- audit
 
