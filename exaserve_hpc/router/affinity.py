@@ -39,14 +39,17 @@ as the engine hashes, so an evicted prefix stops attracting requests.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Container, Optional, Sequence
 
 from .balancing import (  # noqa: F401 - Decision is re-exported: callers know it as affinity's
     Decision, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, WeightSettings, mean_latency_ms,
 )
+from ..engine.kv_events import BlockStored
 from .prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex
 
+log = logging.getLogger(__name__)
 APPROXIMATE, PRECISE = "approximate", "precise"
 
 
@@ -99,6 +102,7 @@ class PrefixAffinity(RoutingPolicy):
         self.index = PrefixIndex(max_blocks=s.index_blocks)
         self.hasher = s.hasher()
         self.balance = PowerOfTwo(s.weights, seed=seed)
+        self._block_size_checked = False  # the engines' block size is checked once, on their first event
 
     # ---------------------------------------------------------------- hooks
 
@@ -118,6 +122,14 @@ class PrefixAffinity(RoutingPolicy):
         self.index.forget(replica_id)
 
     def on_kv_events(self, replica_id: str, events: list) -> None:
+        if not self._block_size_checked:
+            stored = next((e for e in events if isinstance(e, BlockStored)), None)
+            if stored is not None:
+                self._block_size_checked = True
+                if stored.block_size != self.settings.block_size:
+                    log.warning("replica %s caches blocks of %d tokens but router.block_size is %d: precise prefix "
+                                "routing will find no match; set router.block_size to %d", replica_id,
+                                stored.block_size, self.settings.block_size, stored.block_size)
         self.index.apply_events(replica_id, events)
 
     # ---------------------------------------------------------------- choice

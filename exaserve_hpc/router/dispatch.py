@@ -94,6 +94,9 @@ class Dispatcher:
         if isinstance(message, ReplicaStats):
             entry.load.queue_depth = message.queue_depth
             entry.load.kv_used = message.kv_used
+            entry.prefix_hit_tokens = message.prefix_hit_tokens
+            entry.prefix_query_tokens = message.prefix_query_tokens
+            entry.kv_blocks_cached = message.kv_blocks_cached
             for pool in self._pools_of(entry):
                 pool.set_latency(entry.load, message.latency_ewma_ms)
             return []
@@ -196,13 +199,19 @@ class Dispatcher:
     # ---------------------------------------------------------------- status
 
     def snapshot(self) -> dict:
+        replicas = self.replicas.values()
         return {
             "replicas": [
                 {"replica_id": rid, "model": e.load.model, "version": e.version, "node": e.node, "pid": e.pid,
                  "outstanding": e.load.outstanding, "queue_depth": e.load.queue_depth,
-                 "draining": e.draining, "breaker": e.breaker.state.value if e.breaker else "closed"}
+                 "draining": e.draining, "breaker": e.breaker.state.value if e.breaker else "closed",
+                 "prefix_hit_tokens": e.prefix_hit_tokens, "prefix_query_tokens": e.prefix_query_tokens,
+                 "kv_blocks_cached": e.kv_blocks_cached}
                 for rid, e in sorted(self.replicas.items())
             ],
+            # Over the replicas in rotation, as their engines report them: the fleet's prefix-cache hit rate.
+            "prefix_hit_tokens": sum(e.prefix_hit_tokens for e in replicas),
+            "prefix_query_tokens": sum(e.prefix_query_tokens for e in replicas),
             "inflight": len(self.inflight),
             "pending": len(self.pending),
             "pending_by_model": self._pending_by_model(),

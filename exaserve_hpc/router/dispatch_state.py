@@ -31,6 +31,11 @@ class ReplicaEntry:
     draining: bool = False
     version: str = ""
     breaker: Optional[CircuitBreaker] = None
+    # As the replica's engine last reported them (totals since it started): how much of the prompts
+    # it was sent it found in its prefix cache, and how many free KV blocks still hold a prefix.
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    kv_blocks_cached: int = 0
 
 
 @dataclass

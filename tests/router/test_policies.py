@@ -48,3 +48,15 @@ def test_only_a_precise_policy_follows_kv_events_through_the_dispatcher():
         d.register("r1", ReplicaHello(replica_id="r1", model="m", pid=1, max_batch_size=8, max_seq_len=64), 0.0)
         d.on_kv_events("r1", stored)
         assert dict(d.policy.index.match(hashes)).get("r1", 0) == (2 if follows else 0)
+
+
+def test_a_precise_router_warns_once_when_the_engines_block_size_differs(caplog):
+    site = site_with(policy="prefix_affinity", prefix_mode="precise", block_size=32)
+    policy = policy_for_site(site.router, site.batching)
+    stored = [BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[], block_size=16)]
+    with caplog.at_level("WARNING"):
+        policy.on_kv_events("r1", stored)
+        policy.on_kv_events("r2", stored)
+    warnings = [r.getMessage() for r in caplog.records if "router.block_size" in r.getMessage()]
+    assert warnings == ["replica r1 caches blocks of 16 tokens but router.block_size is 32: precise prefix routing "
+                        "will find no match; set router.block_size to 16"]
