@@ -139,6 +139,23 @@ class WeightCacheConfig(_Section):
         return Path(os.path.expandvars(self.l3_path)).expanduser()
 
 
+def _mem_request(value: Any) -> Any:
+    """cluster.mem: "all" (Slurm's --mem=0), null, or a size of at least 1 MiB."""
+    if value is None or value == "all":
+        return value
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f'"all" (the whole node) or {SIZE_FORMS}') from exc
+    if size < 2**20:
+        raise ValueError(f'at least 1MiB, "all" (the whole node) or null (the partition default); found {value!r}')
+    return size
+
+
+MemRequest = Annotated[Any, BeforeValidator(_mem_request),
+                       Field(description='"all" (the whole node), a size (' + SIZE_FORMS + '), or null')]
+
+
 class ClusterConfig(_Section):
     name: Name = "local"
     partition: Optional[str] = None
@@ -155,12 +172,21 @@ class ClusterConfig(_Section):
     fault_group_size: Optional[int] = Field(None, ge=1)  # or: consecutive nodes per group
     time_limit: Optional[Duration] = None
     modules: list[str] = Field(default_factory=list)  # environment modules to load first
+    # What the batch job asks Slurm for on each node (`exaserve submit`, exaserve_hpc/slurm/sbatch.py).
+    # The defaults suit GPU nodes: the fleet plans with every GPU, CPU and byte of host memory (L2 in
+    # /dev/shm counts against the job's memory), so it takes whole nodes.
+    exclusive: bool = True  # --exclusive: no other job shares the node
+    mem: Optional[MemRequest] = "all"  # per node: "all" (--mem=0, the whole node), a size, or null (partition default)
+    cpus_per_task: Optional[int] = Field(None, ge=1, le=4096)  # the node's one task; None: every CPU the job holds there
+    mpi: Literal["pmix", "pmi2", "none"] = "pmix"  # srun --mpi; none: ranks meet through the job directory
 
     @model_validator(mode="after")
     def _nodes_consistent(self) -> "ClusterConfig":
         hosts = self.hostnames()
         if len(hosts) != self.nodes:
             raise ValueError(f"nodelist {self.nodelist!r} names {len(hosts)} nodes but nodes is {self.nodes}")
+        if isinstance(self.mem, int) and self.host_memory and self.mem > self.host_memory:
+            raise ValueError(f"mem ({self.mem} bytes) is more than host_memory ({self.host_memory} bytes) per node")
         if self.gpus_per_node and not self.gpu_memory:
             raise ValueError(f"gpus_per_node is {self.gpus_per_node} but gpu_memory is not set")
         if self.nvlink_domain_size and self.gpus_per_node and self.gpus_per_node % self.nvlink_domain_size:

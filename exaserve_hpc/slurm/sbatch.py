@@ -1,10 +1,19 @@
 """Render sbatch/exaserve.sbatch: one pure function whose keyword arguments are the schema.
 
     render_sbatch(site_file="/p/site.yaml", job_root="/p/run/jobs", nodes=4, time_limit=1800,
-                  partition="debug", modules=["openmpi"])
+                  partition="debug", gpus_per_node=4, modules=["openmpi"])
 
 Unknown keywords raise SbatchOptionError listing every valid one with its
-default. `options_from_site(site)` gives the keywords a site config implies.
+default. `options_from_site(site)` gives the keywords a site config implies;
+companion (replacement) jobs are rendered by the same function from the same
+options, with their own name, node count, exclusions and the main job's
+remaining time (slurm/companion_jobs.py).
+
+The job asks for what the fleet uses on each node: its GPUs (--gpus-per-node,
+which srun passes on to the step so Slurm sets CUDA_VISIBLE_DEVICES), whole
+nodes (--exclusive), memory (--mem; 0 = all of it: L2 in /dev/shm counts
+against the job under cgroup confinement) and CPUs (--cpus-per-task; without
+it the one task gets every CPU the job holds on its node).
 """
 
 from __future__ import annotations
@@ -30,7 +39,12 @@ SBATCH_OPTIONS: dict[str, Any] = {
     "qos": None,
     "exclude": None,            # hostlist of nodes to avoid
     "modules": (),              # environment modules loaded before anything runs
-    "stop_signal": "USR1",      # sent to the batch shell stop_before_s seconds before the time limit
+    "gpus_per_node": 0,         # --gpus-per-node for the job and its step; 0: no GPUs asked for
+    "exclusive": True,          # --exclusive: whole nodes
+    "mem": "all",               # per node: "all" (--mem=0), bytes, or None (the partition's default)
+    "cpus_per_task": None,      # --cpus-per-task; None: every CPU the job holds on the node
+    "mpi": "pmix",              # srun --mpi: pmix (rank 0 is MPI rank 0), pmi2, or none (job-directory bootstrap)
+    "stop_signal": "USR1",      # sent to every rank stop_before_s seconds before the time limit
     "stop_before_s": 120,
     "launcher": None,           # per-rank command; None: this Python's `-m exaserve_hpc.launcher`
     "extra_directives": (),     # further "#SBATCH" options, e.g. ["--exclusive"]
@@ -60,25 +74,51 @@ def slurm_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:00" if hours else f"{minutes}:00"
 
 
-def render_sbatch(**options: Any) -> str:
-    unknown = sorted(set(options) - set(SBATCH_OPTIONS))
-    if unknown:
-        raise SbatchOptionError(f"unknown sbatch option(s) {', '.join(unknown)}; valid: {valid_options()}")
-    o = {**SBATCH_OPTIONS, **options}
+MPI_TYPES = ("pmix", "pmi2", "none")
+
+
+def slurm_memory(value: Any) -> str:
+    """--mem's value: "all" -> "0" (the whole node); bytes -> whole GiB ("512G") or MiB rounded up."""
+    if value == "all":
+        return "0"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2**20:
+        raise SbatchOptionError(f'mem must be "all", None or a number of bytes >= 1 MiB, found {value!r}')
+    return f"{value // 2**30}G" if value % 2**30 == 0 else f"{-(-value // 2**20)}M"
+
+
+def _check(o: dict[str, Any]) -> None:
     for required in ("site_file", "job_root"):
         if not o[required]:
             raise SbatchOptionError(f"{required} is required; valid: {valid_options()}")
-    if not isinstance(o["nodes"], int) or o["nodes"] < 1:
-        raise SbatchOptionError(f"nodes must be a whole number >= 1, found {o['nodes']!r}")
-    job_root = str(o["job_root"])
-    directives = [
-        f"--job-name={o['job_name']}",
-        f"--nodes={o['nodes']}",
-        "--ntasks-per-node=1",
+    for key, low in (("nodes", 1), ("gpus_per_node", 0)):
+        if isinstance(o[key], bool) or not isinstance(o[key], int) or o[key] < low:
+            raise SbatchOptionError(f"{key} must be a whole number >= {low}, found {o[key]!r}")
+    if o["cpus_per_task"] is not None and (isinstance(o["cpus_per_task"], bool)
+                                           or not isinstance(o["cpus_per_task"], int) or o["cpus_per_task"] < 1):
+        raise SbatchOptionError(f"cpus_per_task must be a whole number >= 1 or None, found {o['cpus_per_task']!r}")
+    if o["mpi"] not in MPI_TYPES:
+        raise SbatchOptionError(f"mpi must be one of {', '.join(MPI_TYPES)}, found {o['mpi']!r}")
+    if not isinstance(o["exclusive"], bool):
+        raise SbatchOptionError(f"exclusive must be true or false, found {o['exclusive']!r}")
+
+
+def sbatch_directives(o: dict[str, Any]) -> list[str]:
+    """The #SBATCH options, in a fixed order (the golden file pins it)."""
+    directives = [f"--job-name={o['job_name']}", f"--nodes={o['nodes']}", "--ntasks-per-node=1"]
+    if o["cpus_per_task"]:
+        directives.append(f"--cpus-per-task={o['cpus_per_task']}")
+    if o["gpus_per_node"]:
+        directives.append(f"--gpus-per-node={o['gpus_per_node']}")
+    if o["mem"] is not None:
+        directives.append(f"--mem={slurm_memory(o['mem'])}")
+    if o["exclusive"]:
+        directives.append("--exclusive")
+    directives += [
         "--no-kill",
         "--requeue",
-        f"--signal=B:{o['stop_signal']}@{int(o['stop_before_s'])}",
-        f"--output={job_root}/exaserve-%j.out",
+        # No "B:": the signal goes to every rank of the step, never to this shell alone.
+        f"--signal={o['stop_signal']}@{int(o['stop_before_s'])}",
+        f"--output={o['job_root']}/exaserve-%j.out",
         "--open-mode=append",
     ]
     if o["time_limit"]:
@@ -86,7 +126,29 @@ def render_sbatch(**options: Any) -> str:
     for key in ("partition", "account", "qos", "exclude"):
         if o[key]:
             directives.append(f"--{key}={o[key]}")
-    directives += list(o["extra_directives"])
+    return directives + list(o["extra_directives"])
+
+
+def srun_command(o: dict[str, Any]) -> str:
+    """The step: one task per node, surviving a lost node, with the job's GPUs and the node's CPUs.
+    srun is given --cpus-per-task itself (Slurm 22.05's srun no longer reads SLURM_CPUS_PER_TASK)."""
+    cpus = o["cpus_per_task"] or '"${SLURM_CPUS_ON_NODE}"'
+    parts = ["srun --no-kill --kill-on-bad-exit=0", f"--mpi={o['mpi']}", "--cpu-bind=none",
+             f"--cpus-per-task={cpus}"]
+    if o["gpus_per_node"]:
+        parts.append(f"--gpus-per-node={o['gpus_per_node']}")
+    return (" ".join(parts) + ' \\\n     --nodes="${SLURM_JOB_NUM_NODES}" --ntasks="${SLURM_JOB_NUM_NODES}" '
+            "--ntasks-per-node=1")
+
+
+def render_sbatch(**options: Any) -> str:
+    unknown = sorted(set(options) - set(SBATCH_OPTIONS))
+    if unknown:
+        raise SbatchOptionError(f"unknown sbatch option(s) {', '.join(unknown)}; valid: {valid_options()}")
+    o = {**SBATCH_OPTIONS, **options}
+    _check(o)
+    job_root = str(o["job_root"])
+    directives = sbatch_directives(o)
     modules = list(o["modules"])
     module_lines = ""
     if modules:
@@ -101,7 +163,9 @@ def render_sbatch(**options: Any) -> str:
         "@@MODULES@@": module_lines,
         "@@SITE_FILE@@": shlex.quote(str(o["site_file"])),
         "@@JOB_ROOT@@": shlex.quote(job_root),
+        "@@SRUN@@": srun_command(o),
         "@@LAUNCHER@@": launcher,
+        "@@STOP_SIGNAL@@": str(o["stop_signal"]),
         "@@STOP_BEFORE_S@@": str(int(o["stop_before_s"])),
     }
     for marker, value in replacements.items():
@@ -122,4 +186,9 @@ def options_from_site(site: SiteConfig, site_file: Path, nodes: Optional[int] = 
         "account": cluster.account,
         "qos": cluster.qos,
         "modules": list(cluster.modules),
+        "gpus_per_node": cluster.gpus_per_node,
+        "exclusive": cluster.exclusive,
+        "mem": cluster.mem,
+        "cpus_per_task": cluster.cpus_per_task,
+        "mpi": cluster.mpi,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import ConfigError, load_site, resolve_site
-from ..units import parse_duration
+from ..units import parse_duration, parse_size
 from .client import SlurmError, slurm_client
 from .sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
 
@@ -38,7 +38,15 @@ def _parse_option(text: str):
     default = SBATCH_OPTIONS.get(key)
     if isinstance(default, (list, tuple)):
         return key, [v for v in value.split(",") if v]
-    if isinstance(default, int) and not isinstance(default, bool) or key in {"nodes", "time_limit"}:
+    if isinstance(default, bool):
+        if value.lower() not in {"true", "false", "yes", "no", "1", "0"}:
+            raise SbatchOptionError(f"--option {text!r}: {key} takes true or false")
+        return key, value.lower() in {"true", "yes", "1"}
+    if key == "mem":
+        return key, value if value == "all" else None if value in {"", "none"} else parse_size(value)
+    if key == "cpus_per_task":
+        return key, int(value) if value not in {"", "none"} else None
+    if isinstance(default, int) or key in {"nodes", "time_limit"}:
         return key, parse_duration(value) if key == "time_limit" else int(value)
     return key, value
 
