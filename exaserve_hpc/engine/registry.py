@@ -37,9 +37,12 @@ class EngineSpec:
     #                          False: build gets the checkpoint directory and the engine reads it itself
     reads_tiny: bool         # reads the checkpoints `exaserve model create-tiny` writes (a `tiny:` section)
     kv_events: bool          # publishes KV-cache events (precise prefix routing)
+    kv_snapshots: bool       # its prefix cache can be written and loaded (engine/kv_snapshot.py) on a move
     package: str = ""        # the third-party module it imports; "" = only exaserve's own dependencies
     install: str = ""        # how to get that package
     summary: str = ""
+    # EngineSettings.options a site gives this engine (see `engine_settings`): (site, model) -> options
+    site_options: Callable[[Any, Any], dict[str, float]] = lambda site, model: {}
 
     def available(self) -> bool:
         """Whether this machine can import the engine's package (without importing it)."""
@@ -118,18 +121,30 @@ def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine
                    floats=("gpu_memory_utilization",)))
 
 
+def _paged_site_options(site, model) -> dict[str, float]:
+    """In precise prefix mode the router hashes prompts in router.block_size blocks: the engine's must match."""
+    return {"block_size": site.router.block_size} if site.router.prefix_mode == "precise" else {}
+
+
+def _trtllm_site_options(site, model) -> dict[str, float]:
+    return {"gpu_memory_utilization": model.gpu_memory_utilization}
+
+
 TRTLLM_INSTALL = "pip install 'exaserve-hpc[trtllm]'"
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("reference", _build_reference, needs_weights=True, loads_in_process=True, reads_tiny=True,
-               kv_events=True, summary="CPU numpy Llama, paged KV cache, prefix caching (the default)"),
+               kv_events=True, kv_snapshots=True, site_options=_paged_site_options,
+               summary="CPU numpy Llama, paged KV cache, prefix caching (the default)"),
     EngineSpec("echo", _build_echo, needs_weights=False, loads_in_process=False, reads_tiny=False,
-               kv_events=False, summary="answers with the prompt: measures the serving path (benchmarks)"),
+               kv_events=False, kv_snapshots=False,
+               summary="answers with the prompt: measures the serving path (benchmarks)"),
     EngineSpec("timing", _build_timing, needs_weights=False, loads_in_process=False, reads_tiny=False,
-               kv_events=True, summary="the reference scheduler paced by a GPU cost model (benchmarks, simulator)"),
+               kv_events=True, kv_snapshots=False, site_options=_paged_site_options,
+               summary="the reference scheduler paced by a GPU cost model (benchmarks, simulator)"),
     EngineSpec("trtllm", _build_trtllm, needs_weights=True, loads_in_process=False, reads_tiny=False,
-               kv_events=False, package="tensorrt_llm", install=TRTLLM_INSTALL,
-               summary="TensorRT-LLM's LLM API on NVIDIA GPUs"),
+               kv_events=False, kv_snapshots=False, package="tensorrt_llm", install=TRTLLM_INSTALL,
+               site_options=_trtllm_site_options, summary="TensorRT-LLM's LLM API on NVIDIA GPUs"),
 )}
 
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
@@ -158,3 +173,16 @@ def unavailable_engines(engines: list[str]) -> dict[str, str]:
     """Engine name -> why this machine cannot run it, for the named engines that cannot run here."""
     return {name: ENGINES[name].missing_package_message() for name in dict.fromkeys(engines)
             if name in ENGINES and not ENGINES[name].available()}
+
+
+def engine_settings(site, model):
+    """The EngineSettings a replica of ``model`` gets (config.SiteConfig, config.ModelConfig): the site's
+    batching, the model's limits, and the options the site gives its engine."""
+    from ..protocol import EngineSettings
+    b = site.batching
+    return EngineSettings(
+        engine=model.engine, max_batch_size=site.max_batch_size(model), max_seq_len=model.max_seq_len,
+        max_wait_ms=b.max_wait_ms, prefill_batch_size=b.prefill_batch_size, decode_batch_size=b.decode_batch_size,
+        chunked_prefill=b.chunked_prefill, prefill_chunk_tokens=b.prefill_chunk_tokens,
+        enable_prefix_caching=model.enable_prefix_caching, kv_cache_dtype=model.kv_cache_dtype,
+        options=engine_spec(model.engine).site_options(site, model))

@@ -8,7 +8,8 @@ import pytest
 
 from exaserve_hpc.engine.base import Engine, EngineError
 from exaserve_hpc.engine.registry import (
-    ENGINE_NAMES, ENGINES, TRTLLM_INSTALL, UnknownEngine, build_engine, engine_spec, unavailable_engines,
+    ENGINE_NAMES, ENGINES, TRTLLM_INSTALL, UnknownEngine, build_engine, engine_settings, engine_spec,
+    unavailable_engines,
 )
 from exaserve_hpc.protocol import EngineSettings, StartReplica
 
@@ -70,3 +71,22 @@ def test_config_allows_the_registry_engines_and_check_warns_for_a_missing_packag
     assert "small16-a100: ok" in captured.out
     assert "warning: models[0].engine: engine 'trtllm' needs the Python package 'tensorrt_llm'" in captured.err
     assert TRTLLM_INSTALL in captured.err
+
+
+def test_engine_settings_carry_the_site_into_what_each_engine_takes():
+    from exaserve_hpc.config import parse_site
+    site = parse_site({"site": "x", "batching": {"max_batch_size": 16, "prefill_chunk_tokens": 256},
+                       "router": {"policy": "prefix_affinity", "prefix_mode": "precise", "block_size": 32},
+                       "models": [{"model_name": "a", "engine": "reference", "max_seq_len": 512},
+                                  {"model_name": "b", "engine": "trtllm", "gpu_memory_utilization": 0.4},
+                                  {"model_name": "c", "engine": "echo"}]})
+    ref, trt, echo = (engine_settings(site, m) for m in site.models)
+    assert (ref.engine, ref.max_batch_size, ref.max_seq_len, ref.prefill_chunk_tokens) == ("reference", 16, 512, 256)
+    assert ref.options == {"block_size": 32}  # precise mode: the engine's KV blocks are the router's
+    assert trt.options == {"gpu_memory_utilization": 0.4} and echo.options == {}
+    timing = StartReplica(replica_id="t", model="a", model_dir="-", router_backend="tcp://x:1",
+                          settings=EngineSettings(engine="timing", options=ref.options))
+    assert build_engine(timing).blocks.block_size == 32
+    approximate = parse_site({"site": "x", "models": [{"model_name": "a"}]})
+    assert engine_settings(approximate, approximate.models[0]).options == {}
+    assert [n for n in ENGINE_NAMES if ENGINES[n].kv_snapshots] == ["reference"]
