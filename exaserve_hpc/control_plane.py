@@ -136,7 +136,8 @@ def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfi
                "--agent-id", agent_id, "--heartbeat", str(site.heartbeat.interval), "--die-with-parent",
                "--controller-timeout", str(site.heartbeat.controller_timeout),
                "--l2-capacity", str(int(site.weight_cache.l2_capacity)),
-               "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path))]
+               "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path)),
+               "--gpus-per-node", str(site.cluster.gpus_per_node)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
@@ -288,12 +289,17 @@ class ControlPlane:
             self.agent_thread = None
             self._closers.append(self.agent_process.kill)
             return
+        from .agent.gpu_binding import GpuGrantError
         from .agent.node_agent import NodeAgent, default_l2_root
         from .bootstrap import secure_client
-        agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
-                          l2_capacity=site.weight_cache.l2_capacity,
-                          l2_root=str(default_l2_root(s.node, site.weight_cache.l2_path)),
-                          controller_timeout=site.heartbeat.controller_timeout, replica_env=s.replica_env or None)
+        try:
+            agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
+                              l2_capacity=site.weight_cache.l2_capacity,
+                              l2_root=str(default_l2_root(s.node, site.weight_cache.l2_path)),
+                              controller_timeout=site.heartbeat.controller_timeout,
+                              replica_env=s.replica_env or None, gpus_per_node=site.cluster.gpus_per_node)
+        except GpuGrantError as exc:
+            raise ControlPlaneError(str(exc)) from exc
         if s.curve is not None:
             secure_client(agent.socket, s.curve)
         self.agent_process = None

@@ -144,13 +144,18 @@ def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> in
 def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
     """This node's agent, connected to the published controller (with its CURVE key when it has one); its
     replica processes read the keys from the job directory the agent names to them."""
-    from ..agent.node_agent import NodeAgent, default_l2_root
+    from ..agent.gpu_binding import GpuGrantError
+    from ..agent.node_agent import EXIT_BAD_GRANT, NodeAgent, default_l2_root
     keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
-    agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
-                      l2_capacity=site.weight_cache.l2_capacity,
-                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
-                      controller_timeout=site.heartbeat.controller_timeout,
-                      replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys is not None else None)
+    try:
+        agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
+                          l2_capacity=site.weight_cache.l2_capacity,
+                          l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
+                          controller_timeout=site.heartbeat.controller_timeout, gpus_per_node=site.cluster.gpus_per_node,
+                          replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
+    except GpuGrantError as exc:
+        print(f"error: rank {rank.rank} on {rank.node}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_GRANT
     if keys is not None:
         secure_client(agent.socket, keys)
     stop_gracefully_on_signals(lambda: agent.shutdown(10.0))
