@@ -14,6 +14,7 @@ import zmq
 
 from serve_harness import alive  # noqa: F401 (re-exported for the agent tests)
 
+from exaserve_hpc.agent.gpu_binding import GpuGrant
 from exaserve_hpc.agent.node_agent import NodeAgent
 from exaserve_hpc.cache.checkpoint import TinyModelSpec
 from exaserve_hpc.protocol import (
@@ -31,6 +32,9 @@ class AgentUnderTest:
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.router_backend = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        # No GPU unless a test grants some: this machine's CUDA_VISIBLE_DEVICES or Slurm variables
+        # must not change the pool these tests expect.
+        agent_options.setdefault("grant", GpuGrant())
         self.agent = NodeAgent(f"tcp://127.0.0.1:{port}", "node-t", heartbeat, l2_root=str(tmp_path / "l2"),
                                pool_bytes=pool_bytes, block_size=block_size, l2_capacity=l2_capacity,
                                **agent_options)
