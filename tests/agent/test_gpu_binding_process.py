@@ -182,9 +182,9 @@ def test_a_replica_is_pinned_to_the_cpus_nvml_calls_near_its_gpu(tmp_path):
             assert os.sched_getaffinity(status.pid) == {cpus[gpu]}, status.replica_id
         assert {r.replica_id: r.devices for r in beat.replicas} == {"pin/r0": ["GPU-stand-in-1"],
                                                                     "pin/r1": ["GPU-stand-in-0"]}
+        assert os.sched_getaffinity(agent.thread.native_id) == before  # the agent's thread got its CPUs back
     finally:
         agent.close()
-    assert os.sched_getaffinity(0) == before  # the agent's own thread got its CPUs back
 
 
 def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_them(tmp_path):
