@@ -110,8 +110,10 @@ def make_engine(spec: StartReplica, weights=None, **extra):
 def kv_events_bind(router_backend: str) -> str:
     """Where the engine's KV-event PUB binds: loopback beside a loopback router, else every interface."""
     host = router_backend.rpartition(":")[0].removeprefix("tcp://").strip("[]")
-    if host == "localhost" or host == "::1" or host.startswith("127."):
-        return f"tcp://{'[::1]' if host == '::1' else host}:*"
+    if host == "::1":
+        return "tcp://[::1]:*"
+    if host == "localhost" or host.startswith("127."):
+        return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:*"  # an address: bind takes no host name
     return "tcp://*:*"
 
 

@@ -74,6 +74,8 @@ class KVEventPublisher:
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if "[" in endpoint:  # an IPv6 address
+            self._socket.setsockopt(zmq.IPV6, 1)
         try:
             self._socket.bind(endpoint)
         except zmq.ZMQError as e:

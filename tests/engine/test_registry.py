@@ -90,3 +90,14 @@ def test_engine_settings_carry_the_site_into_what_each_engine_takes():
     approximate = parse_site({"site": "x", "models": [{"model_name": "a"}]})
     assert engine_settings(approximate, approximate.models[0]).options == {}
     assert [n for n in ENGINE_NAMES if ENGINES[n].kv_snapshots] == ["reference"]
+
+
+def test_a_replica_publishes_kv_events_where_its_router_can_subscribe(monkeypatch):
+    from exaserve_hpc.agent.replica_main import kv_events_announced, kv_events_bind
+    assert kv_events_bind("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:*"
+    assert kv_events_bind("tcp://localhost:5555") == "tcp://127.0.0.1:*"
+    assert kv_events_bind("tcp://[::1]:5555") == "tcp://[::1]:*"
+    assert kv_events_bind("tcp://node17.cluster:5555") == "tcp://*:*"  # the router is on another node
+    monkeypatch.setattr("socket.getfqdn", lambda: "node3.cluster")
+    assert kv_events_announced("tcp://0.0.0.0:41234") == "tcp://node3.cluster:41234"
+    assert kv_events_announced("tcp://127.0.0.1:41234") == "tcp://127.0.0.1:41234"
