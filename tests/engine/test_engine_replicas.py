@@ -141,3 +141,30 @@ def test_without_tensorrt_llm_a_trtllm_replica_fails_naming_the_install(router, 
     assert failed and "pip install 'exaserve-hpc[trtllm]'" in failed[0] and "tensorrt_llm" in failed[0], lines
     assert not any(line.startswith("loading") for line in lines)  # refused before reading any weights
     assert slot.process.wait(20) == 1
+
+
+def test_the_agent_stages_a_trtllm_checkpoint_in_l2_and_reserves_from_its_size(tmp_path, monkeypatch):
+    """Through a real node agent: the registry says trtllm needs weights read by the engine itself, so the
+    agent copies the checkpoint L3 -> L2 and TensorRT-LLM is pointed at the L2 copy, not at L3."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "agent"))
+    from agent_harness import TINY, AgentUnderTest
+    from exaserve_hpc.cache.checkpoint import create_tiny_checkpoint
+    from exaserve_hpc.cache.l3_store import manifest_bytes
+
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TRTLLM_STANDIN_RECORD", str(record))
+    checkpoint = create_tiny_checkpoint(tmp_path / "l3" / "hf-model", TINY)  # any files with a manifest
+    agent = AgentUnderTest(tmp_path, block_size=1 << 10)
+    try:
+        agent.start("t0", checkpoint, engine="trtllm")
+        agent.wait_state("t0", "serving")
+        beat = agent.settle(lambda b: b.memory is not None and "t0" in b.memory.reservations)
+        assert beat.memory.reservations["t0"] >= manifest_bytes(checkpoint) * 1.25
+        assert [s.load_source for s in beat.replicas] == ["l3"]  # the agent's fill, then the replica reads L2
+        llm = next(json.loads(line) for line in record.read_text().splitlines() if '"call": "LLM"' in line)
+        assert Path(llm["model"]).is_relative_to(tmp_path / "l2") and Path(llm["model"]).is_dir()
+        agent.stop("t0")
+        agent.wait_terminal("t0")
+    finally:
+        agent.close()
