@@ -1,8 +1,10 @@
 """TensorRT-LLM backend behind the step protocol (GPU replicas).
 
 Not run on a GPU yet: the mapping from our settings to TensorRT-LLM's LLM
-API arguments (``llm_args``) and the missing-package error are unit-tested;
-the adapter is tested against a fake ``tensorrt_llm`` module only.
+API arguments (``llm_args``) and the missing-package error are unit-tested,
+and a replica process started as the agent starts it serves requests through
+the router against a stand-in ``tensorrt_llm`` that records the calls the
+real API would receive (tests/engine/test_engine_replicas.py).
 
 Mapping (TensorRT-LLM LLM API, PyTorch backend, 1.x):
 
