@@ -96,6 +96,10 @@ class PrefixAffinity(RoutingPolicy):
     def from_site(cls, router, batching) -> "PrefixAffinity":
         return cls(AffinitySettings.from_site(router, batching.prefill_chunk_tokens))
 
+    @classmethod
+    def prompt_hasher(cls, router) -> "FastBlockHasher | EngineBlockHasher":
+        return AffinitySettings.from_site(router).hasher()
+
     def __init__(self, settings: Optional[AffinitySettings] = None, seed: Optional[int] = None, **overrides):
         self.settings = settings or AffinitySettings(**overrides)
         s = self.settings

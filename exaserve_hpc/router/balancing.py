@@ -145,6 +145,12 @@ class RoutingPolicy(ABC):
         """The policy a site's router section asks for (router.policy names the class)."""
         return cls()
 
+    @classmethod
+    def prompt_hasher(cls, router: "RouterConfig"):
+        """What gateways hash prompts with for this policy (a callable with ``scheme``), or None: prompts
+        are hashed in the gateway processes so the router's one thread only looks the blocks up."""
+        return None
+
     @property
     def follows_kv_events(self) -> bool:
         return False

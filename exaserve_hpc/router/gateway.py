@@ -28,7 +28,7 @@ from exaserve_hpc.config import SiteConfig
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router import openai_api as api
-from exaserve_hpc.router.affinity import AffinitySettings
+from exaserve_hpc.router.policies import policy_class
 from exaserve_hpc.router.admission import Admission, ApiError, from_backend_error, internal_error, error_response
 from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
 from exaserve_hpc.router.generation import (
@@ -83,7 +83,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None})
     group_of_key = {key: group.name for group in site.quota_groups for key in group.api_keys}
     # Prompts are hashed here, in the gateway processes, so the router's one thread only looks them up.
-    hasher = AffinitySettings.from_site(site.router).hasher() if site.router.policy == "prefix_affinity" else None
+    hasher = policy_class(site.router.policy).prompt_hasher(site.router)
 
     app = FastAPI(title="exaserve-hpc gateway", version="0.1.0",
                   description="OpenAI-compatible API of an exaserve-hpc deployment (site "

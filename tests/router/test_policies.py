@@ -60,3 +60,12 @@ def test_a_precise_router_warns_once_when_the_engines_block_size_differs(caplog)
     warnings = [r.getMessage() for r in caplog.records if "router.block_size" in r.getMessage()]
     assert warnings == ["replica r1 caches blocks of 16 tokens but router.block_size is 32: precise prefix routing "
                         "will find no match; set router.block_size to 16"]
+
+
+def test_gateways_hash_prompts_as_the_routers_policy_does():
+    from exaserve_hpc.router.policies import policy_class
+    assert policy_class("least_load").prompt_hasher(site_with().router) is None
+    site = site_with(policy="prefix_affinity", prefix_mode="precise", block_size=32)
+    policy = policy_for_site(site.router, site.batching)
+    hasher = policy_class("prefix_affinity").prompt_hasher(site.router)
+    assert hasher.scheme == policy.hasher.scheme and hasher([1] * 64) == policy.routing_key([1] * 64).block_hashes
