@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from .fleet import SLURM_DIR, cluster
+from .fleet import SLURM_DIR, cluster, remove_shared_dir, shared_dir
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +34,12 @@ def slurm_cluster():
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture
+def shared_tmp(slurm_cluster, request):
+    """A directory every virtual node sees (their /tmp is private, as on real nodes): a job's site file
+    and job root go here. Removed after the test."""
+    path = shared_dir(request.node.name[:40])
+    yield path
+    remove_shared_dir(path)

@@ -1,12 +1,18 @@
 """Helpers for the end-to-end Slurm tests and benchmarks/bench_failover.py: submit the exaserve job on
-the local test cluster, wait until it serves, drive a steady request stream, kill and revive nodes."""
+the local test cluster, wait until it serves, drive a steady request stream, kill and revive nodes.
+
+The cluster's nodes have private /tmp and /dev/shm (tests/slurm/cluster.sh), as real nodes do, so a
+job's files (site file, job root) live in `shared_dir()`, the cluster's stand-in for a shared
+filesystem; a node's /dev/shm is seen from here at `node_shm(node)`."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,8 +36,58 @@ def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+NODES = ("n1", "n2", "n3", "n4")
+
+
+def shared_dir(prefix: str) -> Path:
+    """A fresh directory every virtual node sees (their /tmp is their own): under the cluster's shared/."""
+    root = SLURM_DIR / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
+
+
+def remove_shared_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def node_shm(node: str) -> Path:
+    """Node `node`'s /dev/shm, seen from the root namespace (a tmpfs cluster.sh mounts per node)."""
+    return SLURM_DIR / "nodes" / node / "shm"
+
+
+def shm_files(node: str) -> list[str]:
+    """Every file under the node's /dev/shm (L2 caches live there), relative paths."""
+    base = node_shm(node)
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
+
+
+def node_processes(node: str) -> list[int]:
+    """Every process of virtual node `node`: those in its network namespace (slurmd runs there and every
+    step and task inherits it), and any whose environment names the node (SLURMD_NODENAME)."""
+    try:
+        netns = os.stat(f"/var/run/netns/exaserve-{node}").st_ino
+    except OSError:
+        netns = None
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if netns is not None and os.stat(entry / "ns" / "net").st_ino == netns:
+                found.append(int(entry.name))
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in env or f"EXASERVE_VNODE={node}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
 def echo_site(directory: Path, replicas: int = 4, heartbeat: str = "2s", misses: int = 3) -> Path:
-    """slurm-local with echo replicas (the four virtual nodes share two cores) under `directory`."""
+    """slurm-local with echo replicas (the four virtual nodes share two cores) under `directory`.
+    The gateway listens on every interface of rank 0's node and publishes that node's own address,
+    which this (root) namespace reaches over the cluster's bridge."""
     data = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
     model = data["models"][0]
     model.pop("tiny", None)
@@ -39,6 +95,7 @@ def echo_site(directory: Path, replicas: int = 4, heartbeat: str = "2s", misses:
     data["weight_cache"]["l3_path"] = str(directory / "models")
     data["run_dir"] = str(directory / "run")
     data["heartbeat"] = {"interval": heartbeat, "misses": misses}
+    data.setdefault("gateway", {})["host"] = "0.0.0.0"
     path = directory / "site.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -77,7 +134,7 @@ class Job:
 
 
 def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "") -> Job:
-    launcher = f"{sys.executable} -m exaserve_hpc.slurm.launch_rank --port 0 {launcher_args}".rstrip()
+    launcher = f"{sys.executable} -m exaserve_hpc.launcher --port 0 {launcher_args}".rstrip()
     result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
                              str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
                              f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60)
@@ -230,7 +287,7 @@ def kill_and_watch_replacement(job: Job, node: str, planned: list[str], replicas
                                timeout: float = 150.0, settle: float = 2.0) -> tuple[ReplacementTimings, dict]:
     """Kill `node` of a job started with --replace-lost-nodes while `stream` runs; watch it come back."""
     from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-    from exaserve_hpc.slurm.replacement import companion_name
+    from exaserve_hpc.slurm.companion_jobs import companion_name
 
     client = CliSlurmClient()
     t = ReplacementTimings(killed_at=time.time())

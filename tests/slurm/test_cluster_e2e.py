@@ -16,30 +16,17 @@ import pytest
 from exaserve_hpc.slurm.client import CliSlurmClient
 from exaserve_hpc.slurm.states import JobState, NodeState
 
-from .fleet import Job, RequestStream, cluster, echo_site, kill_and_watch, submit, wait_serving
+from .fleet import (Job, RequestStream, cluster, echo_site, kill_and_watch, node_processes, remove_shared_dir, shared_dir, submit,
+                    wait_serving)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
 REPLICAS = 4
 
 
-def node_processes(node: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURMD_NODENAME={node}".encode() in env or f"EXASERVE_VNODE={node}".encode() in env:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.fixture(scope="module")
-def fleet_job(slurm_cluster, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fleet")
+def fleet_job(slurm_cluster):
+    directory = shared_dir("fleet")
     site = echo_site(directory, replicas=REPLICAS, heartbeat="2s", misses=3)
     job = submit(site, directory / "jobs", nodes=4)
     try:
@@ -57,6 +44,7 @@ def fleet_job(slurm_cluster, tmp_path_factory):
             time.sleep(0.5)
         for node in ("n1", "n2", "n3", "n4"):
             cluster("revive-node", node, check=False)
+        remove_shared_dir(directory)
 
 
 def test_submitted_job_serves_and_status_shows_four_agents_with_their_replicas(fleet_job: Job):

@@ -11,9 +11,10 @@ import time
 import pytest
 
 from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.replacement import companion_name
+from exaserve_hpc.slurm.companion_jobs import companion_name
 
-from .fleet import RequestStream, cluster, kill_and_watch_replacement, replacement_site, submit, wait_serving
+from .fleet import (RequestStream, cluster, kill_and_watch_replacement, remove_shared_dir, replacement_site,
+                    shared_dir, submit, wait_serving)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
@@ -21,9 +22,9 @@ NODES = 3  # of the cluster's 4: the spare one becomes the replacement
 REPLICAS = 3
 
 
-def test_lost_node_is_replaced_by_a_companion_job_and_capacity_returns(slurm_cluster, tmp_path):
-    site = replacement_site(tmp_path, replicas=REPLICAS, heartbeat="2s", misses=3)
-    job = submit(site, tmp_path / "jobs", nodes=NODES, launcher_args="--replace-lost-nodes --capacity-floor 0")
+def test_lost_node_is_replaced_by_a_companion_job_and_capacity_returns(slurm_cluster, shared_tmp):
+    site = replacement_site(shared_tmp, replicas=REPLICAS, heartbeat="2s", misses=3)
+    job = submit(site, shared_tmp / "jobs", nodes=NODES, launcher_args="--replace-lost-nodes --capacity-floor 0")
     client = CliSlurmClient()
     victim = None
     stream = None
@@ -36,7 +37,7 @@ def test_lost_node_is_replaced_by_a_companion_job_and_capacity_returns(slurm_clu
         timings, status = kill_and_watch_replacement(job, victim, nodes, REPLICAS, stream)
         print(f"\nreplacement on the local cluster: {timings.report()}")
         if not timings.restored_at:
-            companions = "\n".join(p.read_text() for p in sorted((tmp_path / "jobs").glob("exaserve-replace-*.out")))
+            companions = "\n".join(p.read_text() for p in sorted((shared_tmp / "jobs").glob("exaserve-replace-*.out")))
             pytest.fail(f"capacity did not return: {timings.report()}\nstatus {json.dumps(status)[:2000]}\n"
                         f"job output:\n{job.log()}\ncompanion output:\n{companions}\n"
                         f"cluster logs:\n{cluster('logs', check=False).stdout[-3000:]}")
