@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(launch)
     launch.set_defaults(func=cmd_launch)
 
+    from .modulefiles import add_modules_arguments
+    modules = commands.add_parser("modules", help="publish this install as an environment module (Lmod or Tcl)")
+    add_modules_arguments(modules)
+
     rollout = commands.add_parser("rollout", help="canary rollout of a model version: start, promote, rollback")
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=cmd_rollout)

@@ -463,7 +463,8 @@ def site_search_path() -> list[Path]:
     dirs = []
     if os.environ.get("EXASERVE_SITE_DIR"):
         dirs.append(Path(os.environ["EXASERVE_SITE_DIR"]))
-    dirs.append(Path(__file__).resolve().parent.parent / "site-configs")  # source checkout
+    from .resources import data_path
+    dirs.append(data_path("site-configs"))  # the source checkout's, or the installed package's copy
     dirs.append(Path(sys.prefix) / "share" / "exaserve" / "site-configs")  # installed data files
     return dirs
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import SiteConfig
+from ..resources import data_path
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "exaserve.sbatch"
+TEMPLATE = data_path("sbatch/exaserve.sbatch")  # the checkout's, or the installed package's copy
 
 # The schema: every option render_sbatch takes, with its default (None: required or left out).
 SBATCH_OPTIONS: dict[str, Any] = {
