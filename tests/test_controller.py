@@ -258,7 +258,7 @@ def test_a_preferred_placement_is_honoured_where_it_has_room(tmp_path):
     held = [result.placed[f"{MODEL}/r0000"]]
     again = place_pending(fleet_topology(site, inventory), catalogue_from_site(site), 2, held,
                           pending[1:], closed={"a": "short of device memory", "b": "short of device memory"})
-    assert not again.placed and all("OOM guard): a (short of device memory)" in why
+    assert not again.placed and all("closed to new replicas: a (short of device memory)" in why
                                     for why in again.unplaced.values())
 
 

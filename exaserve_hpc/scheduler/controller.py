@@ -126,7 +126,10 @@ class Controller:
 
     def shutdown(self, drain_timeout: float = 10.0, wait: float = 20.0) -> None:
         """Tell every agent to drain and stop its replicas; wait until they all report stopped."""
-        self.fleet.submit(lambda: self._broadcast(Shutdown(drain_timeout=drain_timeout)))
+        def close() -> None:
+            self.placement.closing = True  # stopped replicas are not placed again
+            self._broadcast(Shutdown(drain_timeout=drain_timeout))
+        self.fleet.submit(close)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             with self.fleet.lock:
@@ -261,6 +264,8 @@ class Controller:
                  event.seconds_in_previous_state, event.detail)
         if record.stopping and state.terminal:
             self.fleet.forget(record, f"scaled down, {state.value}")
+        elif state is ReplicaState.STOPPED:
+            self.placement.left(record, event.detail)
         elif state is ReplicaState.SERVING:
             record.tried_agents.clear()
             record.failure = ""

@@ -39,6 +39,7 @@ def controller_status(ctl: "Controller") -> dict:
                                 if a.lost and a.agent_id in ctl.lost_at else None),
                  "host_memory_used": a.host_memory_used, "host_memory_total": a.host_memory_total,
                  "memory_closed": a.memory_closed or None, "suspect": a.suspect or None,
+                 "leaving": a.leaving or None,
                  "l2": ({"capacity": a.l2.capacity, "used": a.l2.used,
                          "models": {e.model: e.state for e in a.l2.entries}} if a.l2 is not None else None)}
                 for a in ctl.agents.values()

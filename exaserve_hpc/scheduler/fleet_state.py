@@ -40,6 +40,7 @@ class AgentRecord:
     memory_closed: str = ""  # why placement skips this node (short of memory, oom_control.py); "" = open
     inventory: dict = field(default_factory=dict)  # the node as the topology sees it (live_placement.hello_inventory)
     suspect: str = ""  # why a replica failed here past its restart limit (shown in status); "" = none
+    leaving: str = ""  # why it takes no new replica: it stopped one unasked (a graceful leave); "" = staying
 
     @classmethod
     def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":

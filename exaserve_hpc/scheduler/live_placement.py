@@ -98,7 +98,7 @@ def _closed_note(closed: Mapping[str, str], reason: str) -> str:
     if not closed:
         return reason
     nodes = ", ".join(f"{n} ({why})" for n, why in sorted(closed.items()))
-    return f"{reason}; closed to new replicas (short of device memory, OOM guard): {nodes}"
+    return f"{reason}; closed to new replicas: {nodes}"
 
 
 def place_pending(topology: Topology, catalogue: Mapping[str, ModelSpec], cap: int, held: Iterable[Assignment],

@@ -137,7 +137,7 @@ class OomControl:
             if agent.agent_id in short:
                 agent.memory_closed = f"short of device memory (over {1 - self.margin:.0%} in use)"
             elif now < self._closed_until.get(agent.agent_id, 0.0):
-                agent.memory_closed = "an OOM eviction ran here; closed for scheduler.cooldown_period"
+                agent.memory_closed = "short of device memory: an OOM eviction ran here; closed for scheduler.cooldown_period"
             else:
                 agent.memory_closed = ""
 

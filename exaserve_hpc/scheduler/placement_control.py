@@ -7,6 +7,10 @@ Called on the controller thread with the fleet's lock held:
   the fewest replicas of the model, then the least-loaded node, latency from the lost node breaking ties).
 - `refused(record, detail)` (the agent could not reserve what the plan said) and `gave_up(record, detail)`
   (it failed past its restart limit: the node is marked suspect) place the replica again, avoiding that node.
+- `left(record)`: a replica its node stopped without being asked (the node's agent is leaving gracefully:
+  SIGTERM, a drain) is a planned move: the node takes no new replica, and the replica starts elsewhere from
+  the KV snapshot it wrote as it drained.
+- `closing`: set when the controller shuts the fleet down; nothing is placed any more.
 - `tick(now)`: every `scheduler.rebalance_interval` a `rebalance.rebalance` round of at most
   `scheduler.max_moves_per_round` moves, and the moves in flight carried on (see below).
 - after any change the plan is audited with `invariants.plan_violations`; problems are logged once and
@@ -60,6 +64,7 @@ class PlacementControl:
         self.rounds: deque[dict] = deque(maxlen=KEPT_ROUNDS)
         self.violations: list[str] = []
         self._last_round: Optional[float] = None
+        self.closing = False  # the fleet is shutting down: stopped replicas are not placed again
         self._dirty = False
         # spread is audited only while every placement was made with the same nodes to choose from: failover
         # and nodes joining later leave it to the rebalancer (which never widens it)
@@ -70,6 +75,8 @@ class PlacementControl:
 
     def place(self) -> None:
         fleet = self.fleet
+        if self.closing:
+            return
         if self._placed_on and not frozenset(fleet.agents) <= self._placed_on:
             self._spread_audit = False  # a node joined after replicas were placed: spread is the rebalancer's job
         pending = [(rid, r.model) for rid, r in fleet.replicas.items()
@@ -84,7 +91,7 @@ class PlacementControl:
         result = place_pending(
             fleet.topology(), fleet.catalogue, fleet.cap, fleet.held(), pending, preferred=self.preferred,
             avoid={rid: fleet.replicas[rid].tried_agents for rid, _ in pending if fleet.replicas[rid].tried_agents},
-            closed={a.agent_id: a.memory_closed for a in live if a.memory_closed}, down=fleet.down())
+            closed=closed_nodes(live), down=fleet.down())
         if result.placed:
             self._placed_on |= frozenset(fleet.agents)
         for rid, assignment in result.placed.items():
@@ -123,8 +130,7 @@ class PlacementControl:
         affected = [r for r in affected if r.replica_id in fleet.replicas]
         if not affected:
             return
-        closed = {a.agent_id for a in fleet.live_agents() if a.memory_closed}
-        down = (fleet.down() | closed) - {node}
+        down = (fleet.down() | set(closed_nodes(fleet.live_agents()))) - {node}
         plan = held_plan(fleet.site.site, fleet.topology(), fleet.cap, fleet.held(), down)
         decision = failover(plan, fleet.topology(), fleet.catalogue, [node], fleet.cap)
         for replacement in decision.replacements:
@@ -146,6 +152,24 @@ class PlacementControl:
                     detail)
         self.fleet.router.replica_lost(record.replica_id, f"reservation refused on {node}")
         self.fleet.unplace(record, f"reservation refused on {node}: {detail}", avoid=[node])
+        self._dirty = True
+        self.place()
+
+    def left(self, record: ReplicaRecord, detail: str) -> None:
+        """Its node stopped it unasked (a graceful leave): start it elsewhere from its KV snapshot."""
+        fleet = self.fleet
+        node = record.agent_id or ""
+        agent = fleet.agents.get(node)
+        if agent is not None:
+            agent.leaving = f"stopped {record.replica_id} unasked ({detail or 'no reason given'}): leaving"
+        fleet.router.replica_lost(record.replica_id, f"stopped by {node}")
+        if self.closing:
+            return
+        log.warning("replica %s stopped by %s without being asked (%s); moving it", record.replica_id, node, detail)
+        fleet.unplace(record, f"its node {node} stopped it ({detail}); moving it", avoid=[node])
+        model = fleet.site.model(record.model)
+        if model.engine in SNAPSHOT_ENGINES and model.enable_prefix_caching:
+            record.kv_snapshot_in = fleet.kv_snapshot_path(record.replica_id)  # written as it drained
         self._dirty = True
         self.place()
 
@@ -181,7 +205,7 @@ class PlacementControl:
             return  # replicas still wait for room: placing them comes first
         if any(r.assignment is not None and not r.serving and not r.stopping for r in fleet.replicas.values()):
             return  # the fleet is still starting: moving now would move a moving target
-        closed = {a.agent_id for a in fleet.live_agents() if a.memory_closed}
+        closed = set(closed_nodes(fleet.live_agents()))
         plan = held_plan(fleet.site.site, fleet.topology(), fleet.cap, fleet.held(), fleet.down() | closed)
         decision = rebalance(plan, fleet.topology(), fleet.catalogue, fleet.cap, max_moves)
         started = []
@@ -247,7 +271,7 @@ class PlacementControl:
     def _audit(self) -> None:
         fleet = self.fleet
         self._dirty = False
-        closed = {a.agent_id for a in fleet.live_agents() if a.memory_closed}
+        closed = closed_nodes(fleet.live_agents())
         plan = held_plan(fleet.site.site, fleet.topology(), fleet.cap, fleet.held(), fleet.down())
         # spread is judged only where the planner had every node to choose from
         spread = self._spread_audit and not closed and not any(r.tried_agents for r in fleet.replicas.values())
@@ -260,6 +284,11 @@ class PlacementControl:
     def status(self) -> dict:
         return {"violations": list(self.violations), "rebalance_rounds": list(self.rounds),
                 "moves": [vars(m).copy() for m in self.moves.values()]}
+
+
+def closed_nodes(live) -> dict[str, str]:
+    """node -> why it takes no new replica: short of memory (OOM guard) or leaving."""
+    return {a.agent_id: a.memory_closed or a.leaving for a in live if a.memory_closed or a.leaving}
 
 
 def is_reservation_refusal(state: ReplicaState, detail: str) -> bool:

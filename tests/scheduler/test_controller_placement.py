@@ -85,8 +85,10 @@ def controller_with_agents(site, nodes=None):
     return ctl, clock
 
 
-def starts(ctl) -> dict[str, StartReplica]:
-    return {m.replica_id: (node, m) for node, m in ctl.fleet.take_outbox() if isinstance(m, StartReplica)}
+def starts(ctl) -> dict[str, tuple[str, StartReplica]]:
+    """replica id -> (node, StartReplica) of each replica started (stage 0's, for a pipeline-parallel one)."""
+    return {m.replica_id: (node, m) for node, m in ctl.fleet.take_outbox()
+            if isinstance(m, StartReplica) and getattr(getattr(m, "stage", None), "rank", 0) == 0}
 
 
 def serve_all(ctl, sent) -> None:
@@ -235,3 +237,33 @@ def test_a_rebalance_round_moves_at_most_max_moves_per_round_keeping_the_cache_o
     rounds = ctl.status()["placement"]["rebalance_rounds"]
     assert len(rounds) == 1 and len(rounds[0]["moves"]) == 1
     assert rounds[0]["moves"][0]["order"] == ("drain-first" if others_serving else "start-first")
+
+
+def test_a_replica_its_node_stops_unasked_moves_with_its_kv_snapshot_and_the_node_takes_no_new_one(tmp_path):
+    """A graceful leave (the node's agent drains its replicas, e.g. on SIGTERM) is a planned move."""
+    site = parse_site({"site": "cpu2", "run_dir": str(tmp_path / "run"),
+                       "cluster": {"nodes": 2, "nodelist": "a,b", "host_memory": "8GiB"},
+                       "scheduler": {"max_replicas_per_node": 4, "cooldown_period": 3600},
+                       "weight_cache": {"l3_path": str(tmp_path / "models")},
+                       "models": [{"model_name": "m", "engine": "reference", "replicas": 2, "min_replicas": 2,
+                                   "max_seq_len": 256, "tiny": {"layers": 1, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                                "intermediate": 64, "max_position": 256}}]})
+    ctl, clock = controller_with_agents(site)
+    sent = starts(ctl)
+    assert sorted(node for node, _ in sent.values()) == ["a", "b"]  # one per fault group
+    serve_all(ctl, sent)
+    (rid, (node, spec)), = [(r, s) for r, s in sent.items() if s[0] == "a"]
+    ctl.handle("a", ReplicaEvent(agent_id="a", replica_id=rid, state="stopped", detail="agent shutting down"))
+    (again, (where, moved)), = starts(ctl).items()
+    assert (again, where) == (rid, "b") and moved.kv_snapshot_in == spec.kv_snapshot_out != ""
+    status = ctl.status()
+    assert next(a for a in status["agents"] if a["agent_id"] == "a")["leaving"].startswith(f"stopped {rid} unasked")
+    ctl.fleet.add("m", 1, "more")
+    ctl.tick(clock.now)
+    (_, (where, _)), = starts(ctl).items()
+    assert where == "b"  # the leaving node takes no new replica
+    # when the controller itself shuts the fleet down, stopped replicas stay stopped
+    ctl.shutdown(wait=0.0)
+    ctl.fleet.commands.get_nowait()()
+    ctl.handle("b", ReplicaEvent(agent_id="b", replica_id=rid, state="stopped", detail="shutdown"))
+    assert not starts(ctl)

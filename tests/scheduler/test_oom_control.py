@@ -84,7 +84,7 @@ def test_a_node_closed_for_memory_keeps_its_replicas_and_takes_no_new_one():
                          closed={"a": "short"})
     assert {rid: a.node for rid, a in both.placed.items()} == {"m/r0001": "b", "m/r0002": "b"}
     alone = place_pending(topology, catalogue, 4, held.values(), pending, closed={"a": "short"}, down=["b"])
-    assert not alone.placed and "short of device memory, OOM guard): a (short)" in alone.unplaced["m/r0001"]
+    assert not alone.placed and "closed to new replicas: a (short)" in alone.unplaced["m/r0001"]
     closed = AgentRecord("a", "a", 1, 0.0, memory=MemoryPoolStatus(block_size=1, total=[8], free=[8]),
                          memory_closed="short")
     assert closed.view(0).largest_reservable == 0  # load failover sees no room there either
