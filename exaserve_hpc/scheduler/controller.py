@@ -49,7 +49,7 @@ from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
 from .capacity import placeable_replicas
 from .controller_status import controller_status
 from .demand import DemandHistory
-from .fleet import Fleet
+from .fleet import Fleet, FleetSnapshot
 from .fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_removal  # noqa: F401 (re-exported)
 from .oom_control import OomControl
 from .placement_control import PlacementControl, is_reservation_refusal
@@ -163,8 +163,13 @@ class Controller:
             return sum(r.state is ReplicaState.SERVING for r in self.replicas.values())
 
     def status(self) -> dict:
-        """The fleet as one JSON-ready dict, for any thread (controller_status.py)."""
+        """The fleet as one JSON-ready dict for people (the gateway's /status, `exaserve status`), any thread."""
         return controller_status(self)
+
+    def snapshot(self) -> FleetSnapshot:
+        """The fleet as typed values for other components (state keeper, requeue watch), any thread."""
+        with self.fleet.lock:
+            return self.fleet.snapshot()
 
     # ---------------------------------------------------------------- controller thread
 

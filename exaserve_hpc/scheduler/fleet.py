@@ -86,11 +86,22 @@ class AgentView:
 
 @dataclass(frozen=True)
 class FleetSnapshot:
+    """The fleet between components (the state keeper, the requeue watch): typed, unlike status()'s JSON."""
     agents: tuple[AgentView, ...]
     replicas: tuple[ReplicaView, ...]
 
     def on_node(self, node: str) -> list[ReplicaView]:
         return [r for r in self.replicas if node in r.nodes]
+
+    def live_nodes(self) -> tuple[str, ...]:
+        return tuple(sorted(a.agent_id for a in self.agents if not a.lost))
+
+    def lost_nodes(self) -> tuple[str, ...]:
+        return tuple(sorted(a.agent_id for a in self.agents if a.lost))
+
+    def placement(self) -> dict[str, tuple[str, str]]:
+        """replica id -> (model, node) (node "" when not placed): what a restart needs to go back."""
+        return {r.replica_id: (r.model, r.node or "") for r in self.replicas}
 
 
 class Fleet:

@@ -111,6 +111,11 @@ def test_the_running_controller_places_as_exaserve_plan_does(tmp_path):
     (pp,) = [r for r in ctl.replicas.values() if r.model == "pp2"]
     assert len(set(pp.assignment.nodes)) == 2  # stages on distinct nodes of one group
     assert len(ctl.fleet.stage_specs(pp)) == 2 and ctl.status()["placement"]["violations"] == []
+    snapshot = ctl.snapshot()  # the typed view other components read instead of status()'s JSON
+    assert snapshot.live_nodes() == ("n1", "n2", "n3", "n4") and snapshot.lost_nodes() == ()
+    assert snapshot.placement() == {a.replica_id: (a.model, a.node) for a in plan.assignments}
+    assert {r.replica_id: r.gpus for r in snapshot.on_node("n1")} == \
+        {a.replica_id: a.gpus for a in plan.assignments if "n1" in a.nodes}
 
 
 def test_a_lost_node_is_re_placed_as_failover_computes_and_the_spread_holds(tmp_path):
