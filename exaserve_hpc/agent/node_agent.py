@@ -188,8 +188,10 @@ class NodeAgent:
     def start(self, spec: StartReplica) -> None:
         existing = self.replicas.get(spec.replica_id)
         if existing is not None and not existing.finished:
-            log.warning("replica %s is already here (%s)", spec.replica_id, existing.state.value)
-            return
+            if not (spec.stage and existing.spec.stage and spec.stage.key != existing.spec.stage.key):
+                log.warning("replica %s is already here (%s)", spec.replica_id, existing.state.value)
+                return
+            self._discard_stage(existing, spec.stage.key)
         if self.shutting_down:
             return
         slot = ReplicaSlot(spec, Lifecycle(time.monotonic()))
@@ -344,6 +346,19 @@ class NodeAgent:
         if load_reason:
             self._send(LoadFailed(agent_id=self.agent_id, replica_id=slot.replica_id, model=slot.spec.model,
                                   reason=load_reason, attempts=attempts, detail=detail))
+        self._release(slot)
+
+    def _discard_stage(self, slot: ReplicaSlot, new_key: str) -> None:
+        """A new attempt of a pipeline replica replaces this process of an old one (a peer stage of it
+        was lost, so it cannot serve): killed and released without a report, as if it never was."""
+        log.warning("replica %s: stopping pipeline attempt %s for attempt %s", slot.replica_id,
+                    slot.spec.stage.key, new_key)
+        if slot.process is not None and slot.process.poll() is None:
+            slot.process.kill()
+            slot.process.wait(5)
+        if slot.status_fd >= 0:
+            os.close(slot.status_fd)
+            slot.status_fd = -1
         self._release(slot)
 
     def _release(self, slot: ReplicaSlot) -> None:

@@ -45,7 +45,7 @@ from ..bootstrap import replica_client_keys, secure_client
 from ..cache.tiers import load_weights
 from ..engine.base import EngineError
 from ..engine.registry import build_engine, engine_spec
-from . import faults
+from . import faults, pipeline_stage
 from .lifecycle import ReplicaState
 
 log = logging.getLogger("exaserve.replica")
@@ -360,7 +360,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     try:
-        engine, kv_events_endpoint = build_replica_engine(spec, args, reporter)
+        if spec.stage is not None and spec.stage.rank > 0:  # a later pipeline stage: no router, no engine loop
+            return pipeline_stage.run_stage(spec, args, reporter)
+        engine, kv_events_endpoint = (pipeline_stage.build_head(spec, args, reporter, make_engine)
+                                      if spec.stage is not None else build_replica_engine(spec, args, reporter))
         reporter.state(ReplicaState.WARMING)
         engine.warmup()
         if spec.kv_snapshot_in:
@@ -383,6 +386,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         reporter.state(ReplicaState.SERVING)
         server.run()
         engine.shutdown()
+        if spec.stage is not None:
+            pipeline_stage.close_head(engine)  # the other stages exit once the ring says stop
         socket.close()
         context.term()
         return 0

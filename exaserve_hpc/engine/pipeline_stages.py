@@ -107,6 +107,7 @@ class PipelineHead:
     def stop(self, timeout: float = 5.0) -> None:
         """Tell every stage to exit, waiting at most ``timeout`` for the ring to confirm."""
         try:
+            self.link.closing()
             self.link.send({"op": "stop", "trip": -1}, np.zeros(0, np.float32))
             self.link.receive(timeout)
         except LinkError as exc:  # a stage already gone ends anyway
@@ -148,6 +149,7 @@ class StageWorker:
                 self.link.send(header, self.run(header, array))
                 self.passes += 1
             elif op == "stop":
+                self.link.closing()  # stage 0 closes its link once the stop is back: that is the plan
                 self.link.send(header, array)
                 return
             else:

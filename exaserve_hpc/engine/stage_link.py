@@ -55,6 +55,9 @@ class StageLink(Protocol):
     def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
         """The next (header, array) from the previous stage; None waits as long as the peer lives."""
 
+    def closing(self) -> None:
+        """The peers are about to leave on purpose (the ring's stop): their going is no failure."""
+
     def close(self) -> None:
         """Release the sockets (or nothing: MPI's communicator belongs to its caller)."""
 
@@ -169,7 +172,7 @@ class ZmqStageLink:
                                f"answering for {self.timeout:g}s")
 
     def _lose(self, why: str) -> None:
-        if self.lost:
+        if self.lost or self._stop.is_set():
             return
         self.lost = why
         log.error("pipeline stage %d: %s", self.rank, why)
@@ -186,9 +189,10 @@ class ZmqStageLink:
         try:
             self.outbound.send_multipart([_pack(header, array), memoryview(array).cast("B")], copy=True)
         except zmq.Again:
-            self._lose(f"{stage_name(self.next, self.nodes)} did not take activations within "
-                       f"{self.timeout:g}s at {self.next_endpoint}")
-            raise LinkError(self.lost) from None
+            why = (f"{stage_name(self.next, self.nodes)} did not take activations within "
+                   f"{self.timeout:g}s at {self.next_endpoint}")
+            self._lose(why)
+            raise LinkError(why) from None
 
     def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
         import time
@@ -202,6 +206,9 @@ class ZmqStageLink:
                 return header, np.frombuffer(data, dtype).reshape(shape)
             if deadline is not None and time.monotonic() > deadline:
                 raise LinkError(f"nothing from {stage_name(self.prev, self.nodes)} within {timeout:g}s")
+
+    def closing(self) -> None:
+        self._stop.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -253,6 +260,9 @@ class MpiStageLink:
         array = np.empty(shape, dtype)
         self.comm.Recv(array, source=self.prev_rank, tag=self.DATA_TAG)
         return header, array
+
+    def closing(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -11,8 +11,8 @@ handler, so the handlers run without sockets (tests and benchmarks drive them di
 - `start(record, assignment)` sends the StartReplica the plan implies: stage 0's node, its device
   indices (`gpu_indices`) and the bytes reserved per device (`memory_bytes`: gpu_memory_utilization x the
   GPU's memory, or on a CPU node the model's weights + one max_seq_len sequence of KV, at least 256 MiB;
-  catalogue.ModelSpec.reservation). A pipeline-parallel replica's later stages are not started here: the
-  stage processes hang off `stage_specs` (one StartReplica per stage; today stage 0's is sent).
+  catalogue.ModelSpec.reservation). A pipeline-parallel replica gets one StartReplica per stage, each to
+  its stage's node (`stage_specs`, made stage processes by pipeline.PipelineStages).
 - `retire(record, reason)` stops one replica without failing a request: out of routing first, then
   drained and stopped by its agent; the record goes once the agent reports it stopped.
 - KV snapshots: every replica of a model whose engine keeps a prefix cache it can export writes its
@@ -37,6 +37,7 @@ from ..topology import Topology
 from .catalogue import catalogue_from_site
 from .fleet_state import AgentRecord, ReplicaRecord, desired_replicas
 from .live_placement import fleet_topology, held_plan
+from .pipeline import PipelineStages
 from .plan import Assignment, Plan, replica_id, replica_index
 
 log = logging.getLogger("exaserve.controller")
@@ -120,6 +121,8 @@ class Fleet:
         self.model_dir: Callable[[ReplicaRecord], str] = lambda r: str(site.model_dir(site.model(r.model)))
         self._topology: Optional[Topology] = None
         self._topology_nodes: tuple[str, ...] = ()
+        # Pipeline stages' attempts and rendezvous (pipeline.py); the controller sets its endpoint.
+        self.pipelines = PipelineStages(timeout=site.heartbeat.expiry)
 
     # ---------------------------------------------------------------- reading
 
@@ -228,10 +231,8 @@ class Fleet:
         stages = self.stage_specs(record)
         if stages[0][1].kv_snapshot_out:
             Path(stages[0][1].kv_snapshot_out).parent.mkdir(parents=True, exist_ok=True)
-        node, spec = stages[0]
-        self.send(node, spec)
-        # Pipeline parallel: stages[1:] are the later stages' (node, spec); their stage processes are
-        # started by those nodes' agents once stage processes exist (see the module docstring).
+        for node, spec in self.pipelines.stage_starts(stages):  # one StartReplica per stage (pipeline.py)
+            self.send(node, spec)
 
     def unplace(self, record: ReplicaRecord, why: str, avoid: Iterable[str] = ()) -> None:
         """Back to pending, its reservation released, `avoid` added to the nodes it must not go to."""
@@ -258,5 +259,6 @@ class Fleet:
 
     def forget(self, record: ReplicaRecord, why: str) -> None:
         self.replicas.pop(record.replica_id, None)
+        self.pipelines.forget(record.replica_id)
         self.router.replica_lost(record.replica_id, why)  # a no-op once its ReplicaBye took it out
         log.info("replica %s forgotten: %s", record.replica_id, why)
