@@ -1,7 +1,10 @@
-"""`exaserve plan --site FILE [--json OUT]`: the initial placement as tables, or as JSON.
+"""`exaserve plan --site FILE [--json OUT] [--capacity]`: the initial placement as tables, or as JSON.
 
 Tables (rich): replicas per model (wanted, placed, unplaced), spread per
-fault group, device memory use, and what could not be placed and why.
+fault group, device memory use, and what could not be placed and why; with
+--capacity, how many more replicas of each model fit beside the plan (each
+model alone, placed as the placer would: capacity.placeable_replicas, the
+bound the running controller cuts the autoscaler's target to).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from rich.table import Table
 
 from ..config import ConfigError, load_site, resolve_site
 from ..units import format_size
+from ..topology import topology_from_site
+from .capacity import placeable_replicas
 from .catalogue import catalogue_from_site
 from .placement import plan_site
 from .plan import Plan
@@ -28,6 +33,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="site name (looked up in site-configs/) or path to a site YAML; default $EXASERVE_SITE or local")
     parser.add_argument("--json", dest="json", metavar="OUT", default=None,
                         help="also write the full plan as JSON to OUT ('-' for stdout)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="also print how many more replicas of each model fit beside the plan")
+
+
+def _room_table(site, plan: Plan, limit: int = 100_000) -> Table:
+    """Per model: replicas that still fit beside `plan` (the model alone), and why no more."""
+    table = Table(title="room beside the plan (each model alone)")
+    for col in ("model", "more replicas", "limited by"):
+        table.add_column(col, justify="right" if col == "more replicas" else "left")
+    topology, cap = topology_from_site(site), site.scheduler.max_replicas_per_node
+    for name, spec in catalogue_from_site(site).items():
+        room, why = placeable_replicas(plan, topology, spec, cap, limit)
+        table.add_row(name, str(room), why or f"stopped counting at {limit}")
+    return table
 
 
 def _models_table(plan: Plan, wanted: dict[str, int]) -> Table:
@@ -117,7 +136,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if out == "-":
         sys.stdout.write(plan.to_json(indent=1) + "\n")
     else:
-        print_plan(plan, wanted, Console(soft_wrap=False))
+        console = Console(soft_wrap=False)
+        print_plan(plan, wanted, console)
+        if getattr(args, "capacity", False):
+            console.print(_room_table(site, plan))
         if out:
             Path(out).write_text(plan.to_json(indent=1) + "\n")
             print(f"plan written to {out}")

@@ -42,6 +42,20 @@ def test_plan_reports_what_could_not_be_placed(tmp_path, capsys):
     assert "could not be placed" in text and "tensor_parallel 4 needs 4 devices" in text
 
 
+def test_plan_capacity_prints_the_room_left_beside_the_plan(tmp_path, capsys):
+    site = tmp_path / "room.yaml"
+    site.write_text("site: room\ncluster: {nodes: 2, gpus_per_node: 4, gpu_memory: 80GiB}\n"
+                    "scheduler: {max_replicas_per_node: 16}\n"
+                    "models: [{model_name: half, replicas: 2, gpu_memory_utilization: 0.5},"
+                    " {model_name: whole, replicas: 1, tensor_parallel: 4, gpu_memory_utilization: 0.9}]\n")
+    assert cmd_plan(_args("--site", str(site), "--capacity")) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.count("│") >= 3 and ("half" in line or "whole" in line) and "out of capacity" in line}
+    # The TP=4 replica holds node0's 4 GPUs at 0.9 (8 GiB left on each: no half fits there); both halves pack
+    # onto one GPU of node1, whose 3 other GPUs take 2 halves each: 6 more; no free domain of 4 for a TP=4
+    assert rows["half"].split("│")[2].strip() == "6" and rows["whole"].split("│")[2].strip() == "0"
+
+
 def test_config_error_goes_to_stderr_with_status_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("site: bad\ncluster: {nodes: 0}\nmodels: [{model_name: m}]\n")
