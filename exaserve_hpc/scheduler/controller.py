@@ -225,7 +225,7 @@ class Controller:
         if isinstance(message, AgentHello):
             log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
                      len(message.gpus))
-            fleet.agents[agent_id] = AgentRecord.from_hello(agent_id, message, now)
+            fleet.join(AgentRecord.from_hello(agent_id, message, now))
             self._place(now)
             return
         agent = fleet.agents.get(agent_id)

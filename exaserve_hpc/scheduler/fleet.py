@@ -119,8 +119,7 @@ class Fleet:
         self.outbox: list[tuple[str, object]] = []  # (agent id, message), sent by the controller's loop
         self.commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self.model_dir: Callable[[ReplicaRecord], str] = lambda r: str(site.model_dir(site.model(r.model)))
-        self._topology: Optional[Topology] = None
-        self._topology_nodes: tuple[str, ...] = ()
+        self._topology: Optional[Topology] = None  # built from the hellos on first use after a join
         # Pipeline stages' attempts and rendezvous (pipeline.py); the controller sets its endpoint.
         self.pipelines = PipelineStages(timeout=site.heartbeat.expiry)
 
@@ -135,11 +134,14 @@ class Fleet:
 
     def topology(self) -> Topology:
         """The nodes whose agents said hello (lost ones included: placement counts them down)."""
-        nodes = tuple(self.agents)
-        if self._topology is None or nodes != self._topology_nodes:
+        if self._topology is None:
             self._topology = fleet_topology(self.site, [a.inventory for a in self.agents.values()])
-            self._topology_nodes = nodes
         return self._topology
+
+    def join(self, record: AgentRecord) -> None:
+        """An agent said hello (again: a restarted agent may report other devices): the topology follows."""
+        self.agents[record.agent_id] = record
+        self._topology = None
 
     def held(self) -> list[Assignment]:
         return [r.assignment for r in self.replicas.values() if r.assignment is not None]

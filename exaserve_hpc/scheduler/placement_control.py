@@ -207,7 +207,7 @@ class PlacementControl:
             return  # the fleet is still starting: moving now would move a moving target
         closed = set(closed_nodes(fleet.live_agents()))
         plan = held_plan(fleet.site.site, fleet.topology(), fleet.cap, fleet.held(), fleet.down() | closed)
-        decision = rebalance(plan, fleet.topology(), fleet.catalogue, fleet.cap, max_moves)
+        decision = rebalance(plan, fleet.topology(), fleet.catalogue, fleet.cap, max_moves, self._busy())
         started = []
         for move in decision.moves[:max_moves]:
             old = fleet.replicas.get(move.drain.replica_id)
@@ -217,6 +217,18 @@ class PlacementControl:
         if started:
             self.rounds.append({"at": round(time.time(), 3), "moves": started, "reason": decision.reason})
             log.info("rebalance: %d move(s) (%s)", len(started), decision.reason)
+
+    def _busy(self) -> dict[str, float]:
+        """replica id -> busy fraction of its devices (requests in flight / max_batch_size, at most 1), from the
+        router's counters: the rebalancer weighs compute as well as memory and replica slots."""
+        fleet = self.fleet
+        busy = {}
+        for entry in fleet.router.snapshot().get("replicas", []):
+            record = fleet.replicas.get(entry["replica_id"])
+            if record is not None:
+                work = max(entry.get("outstanding", 0), entry.get("queue_depth", 0))
+                busy[record.replica_id] = min(1.0, work / max(1, fleet.catalogue[record.model].max_batch_size))
+        return busy
 
     def _begin_move(self, old: ReplicaRecord, start, reason: str) -> dict:
         fleet = self.fleet

@@ -272,3 +272,21 @@ def test_a_replica_its_node_stops_unasked_moves_with_its_kv_snapshot_and_the_nod
     ctl.fleet.commands.get_nowait()()
     ctl.handle("b", ReplicaEvent(agent_id="b", replica_id=rid, state="stopped", detail="shutdown"))
     assert not starts(ctl)
+
+
+def test_nvlink_domains_come_from_nvml_where_the_agents_report_them(tmp_path):
+    """Two domains of 2 GPUs per node reported by NVML (the site says one domain of 4): a TP=2 replica stays
+    inside one of them, and a TP=4 one fits nowhere, with the planner's reason in status."""
+    site = gpu_site(tmp_path, models=[
+        {"model_name": "tp2", "engine": "echo", "replicas": 1, "min_replicas": 1, "tensor_parallel": 2},
+        {"model_name": "tp4", "engine": "echo", "replicas": 1, "min_replicas": 1, "tensor_parallel": 4}])
+    clock = Clock()
+    ctl = Controller(site, StubRouter(), clock=clock, bind_socket=False)
+    greeting = hello(site, "n1")
+    for gpu in greeting.gpus:
+        gpu.nvlink_domain = gpu.index // 2
+    ctl.handle("n1", greeting)
+    ((rid, (node, spec)),) = starts(ctl).items()
+    assert rid == "tp2/r0000" and spec.gpu_indices in ([0, 1], [2, 3])
+    tp4 = next(m for m in ctl.status()["models"] if m["model"] == "tp4")
+    assert "largest NVLink domain has 2 GPUs" in tp4["below_min"]
