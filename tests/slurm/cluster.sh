@@ -43,7 +43,7 @@ MEMORY_MB=4000
 GPUS=4
 SHM_SIZE=1g
 HOSTS_MARK="# exaserve-test-cluster"
-LAYOUT="layout v2 (netns, gres, cgroup v1)"  # a conf without this line is from an older script: rebuilt
+LAYOUT="layout v3 (netns, gres, cgroup v1, task exit codes logged)"  # a conf without this line is from an older script: rebuilt
 CGROUP_ROOT=/sys/fs/cgroup
 export SLURM_CONF="$CONF"
 
@@ -160,7 +160,9 @@ SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
 SlurmctldDebug=info
-SlurmdDebug=info
+# verbose: slurmstepd logs every task's exit code ("task N (PID) exited with exit code C"), which
+# the tests read per rank (no accounting database here, so no sacct).
+SlurmdDebug=verbose
 # /tmp is private per node (each slurmd runs in its own mount namespace).
 TmpFS=/tmp
 # Production defaults: cgroup process tracking and confinement (cgroup.conf beside this file).

@@ -61,6 +61,28 @@ def shm_files(node: str) -> list[str]:
     return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
 
 
+def task_exits(job_id: int, step: int = 0) -> dict[int, str]:
+    """Rank -> how its task ended ("exit 0", "signal 9"), from every node's slurmd log (the cluster
+    logs at verbose level; there is no accounting database here for sacct)."""
+    import re
+    pattern = re.compile(rf"\[{job_id}\.{step}\] task (\d+) \(\d+\) exited(?: with exit code (\d+)|\. Killed by signal (\d+))")
+    ended: dict[int, str] = {}
+    for log in sorted((SLURM_DIR / "log").glob("slurmd-*.log")):
+        for match in pattern.finditer(log.read_text(errors="replace")):
+            rank, code, signal = match.groups()
+            ended[int(rank)] = f"exit {code}" if code is not None else f"signal {signal}"
+    return ended
+
+
+def epilog_lines(job_id: int) -> list[str]:
+    """What the shipped epilog (sbatch/exaserve-epilog.sh) said about this job on each node."""
+    try:
+        text = (SLURM_DIR / "log" / "epilog.log").read_text()
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if f" job {job_id}: " in line]
+
+
 def node_processes(node: str) -> list[int]:
     """Every process of virtual node `node`: those in its network namespace (slurmd runs there and every
     step and task inherits it), and any whose environment names the node (SLURMD_NODENAME)."""
