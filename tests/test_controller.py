@@ -22,6 +22,7 @@ from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, GpuInfo, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
     ReplicaStatus, StartReplica, StopReplica, decode, encode,
 )
+from exaserve_hpc.scheduler.autoscale import UP
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.scheduler.demand import DemandHistory
 
@@ -356,10 +357,11 @@ def test_a_reversal_waits_for_the_cooldown_and_takes_a_fresh_id(make_controller)
         model={"min_replicas": 1, "max_batch_size": 2})
     agent.hello()
     first, second = serve_all(agent, 2)
-    served_at = time.monotonic()
+    (startup, up_at) = controller.last_scaling[MODEL]  # the start-up's scale-up (wall time)
+    assert startup.direction == UP
     stop = agent.expect(StopReplica)  # idle: 2 -> 1, once the start-up's scale-up is 1.5 s old
     stopped_at = time.monotonic()
-    assert stop.replica_id == second and stopped_at - served_at >= 1.2
+    assert stop.replica_id == second and time.time() - up_at >= 1.4
     agent.send(ReplicaEvent(agent_id="a", replica_id=second, state="stopped"))
     router.in_flight[first] = 2  # load 1.0 > 0.5 at once, but scaling up now would reverse within 1.5 s
 
