@@ -13,7 +13,8 @@ and finds the others through the controller (StageHello until the StageTable is 
 - Stages 1.. (``run_stage``) never talk to the router: they run their layers on what arrives and
   pass it on, report "serving" once stage 0's setup message has come round, exit 0 when stage 0
   stops the ring, 1 when stage 0 (or another peer) is lost. SIGTERM alone does not stop them once
-  serving: stage 0 still drains through them (their agent kills them after the drain timeout).
+  serving, since stage 0 still drains through them: they exit when the ring stops, after the drain
+  timeout, or at once if their agent is gone (never an orphan).
 
 Not yet: a KV snapshot (it would hold stage 0's layers only) and KV events are off for stage 0;
 each stage reads the whole checkpoint before keeping its layers.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from typing import Callable, Optional
@@ -145,10 +147,19 @@ def run_stage(spec: StartReplica, args, reporter) -> int:
     reporter.state(ReplicaState.WARMING, f"waiting for {stage_name(0, stage.nodes)}")
     parent = os.getppid()
 
+    def outlive_no_agent(deadline: float) -> None:
+        """After SIGTERM: stage 0 drains through us, then stops the ring; but never outlive our agent
+        (a reparented process) nor the drain timeout (+2 s) it gave."""
+        while time.monotonic() < deadline and os.getppid() == parent:
+            time.sleep(0.2)
+        log.warning("stage %d: %s; exiting", stage.rank, "our agent is gone" if os.getppid() != parent
+                    else "stage 0 did not stop the pipeline within the drain timeout")
+        os._exit(1)
+
     def on_term(signum, frame):
-        if os.getppid() != parent:  # our agent is gone: we must not outlive it
-            os._exit(1)
         log.info("stage %d: SIGTERM; serving until stage 0 stops the pipeline", stage.rank)
+        threading.Thread(target=outlive_no_agent, args=(time.monotonic() + spec.drain_timeout + 2.0,),
+                         daemon=True).start()
 
     def linked() -> None:
         signal.signal(signal.SIGTERM, on_term)

@@ -53,10 +53,11 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def pp_site(tmp_path):
+def pp_site(tmp_path, nodes: int = 2):
     return parse_site({
-        "site": "pp-two-nodes", "run_dir": str(tmp_path / "run"),
-        "cluster": {"nodes": 2, "nodelist": "n[1-2]", "gpus_per_node": 0, "fault_groups": {"rack0": "n[1-2]"}},
+        "site": "pp-nodes", "run_dir": str(tmp_path / "run"),
+        "cluster": {"nodes": nodes, "nodelist": f"n[1-{nodes}]", "gpus_per_node": 0,
+                    "fault_groups": {"rack0": f"n[1-{nodes}]"}},
         "scheduler": {"tick_interval": 0.1, "min_replicas_per_model": 1, "cooldown_period": 3600},
         "heartbeat": {"interval": 0.5, "misses": 6},
         "weight_cache": {"l3_path": str(tmp_path / "models"), "l2_capacity": "64MiB"},
@@ -201,3 +202,71 @@ def test_stage_zero_fails_naming_the_stage_and_node_that_never_appears():
         thread.join(2)
         controller.close(linger=0)
         context.term()
+
+
+@pytest.fixture
+def three_node_fleet(tmp_path):
+    """The same site on three nodes, each agent its own process (so a node can be killed outright)."""
+    import subprocess
+    import sys
+
+    site = pp_site(tmp_path, nodes=3)
+    model_dir = create_tiny_checkpoint(site.model_dir(site.model(MODEL)), TINY)
+    context = zmq.Context()
+    dispatcher = Dispatcher(RoundRobin(), DispatchSettings(max_attempts=3, first_token_timeout=30,
+                                                           replica_expiry=3.0, request_timeout=60), {MODEL})
+    router = ZmqRouter(dispatcher, context=context).start()
+    controller = Controller(site, router, context=context, expected_agents=["n1", "n2", "n3"],
+                            placement_grace=10.0).start()
+    agents = {name: subprocess.Popen(
+        [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller.endpoint, "--agent-id", name,
+         "--heartbeat", "0.5", "--l2-dir", str(tmp_path / f"l2-{name}"), "--l2-capacity", "64MiB",
+         "--memory-pool", "1GiB", "--controller-timeout", "30"], stdin=subprocess.DEVNULL)
+        for name in ("n1", "n2", "n3")}
+    yield site, model_dir, router, controller, agents
+    controller.shutdown(drain_timeout=2.0, wait=15.0)
+    for process in agents.values():
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    controller.stop()
+    router.stop()
+    context.destroy(linger=0)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_losing_a_stage_node_moves_the_whole_replica_and_it_serves_the_same_tokens(three_node_fleet):
+    site, model_dir, router, controller, agents = three_node_fleet
+    want = unsplit_tokens(model_dir, site)
+    wait_for(lambda: serving(controller), 90, "the PP=2 replica to serve")
+    record = controller.replicas[f"{MODEL}/r0000"]
+    first = record.assignment.nodes
+    assert len(set(first)) == 2 and generate(router) == want
+    (stage1_pid,) = children(agents[first[1]].pid)
+    agents[first[1]].kill()  # stage 1's node dies: its agent at once, its stage process with it
+    agents[first[1]].wait()
+    wait_for(lambda: not alive(stage1_pid), 10, "the orphaned stage-1 process to exit")
+    wait_for(lambda: controller.agents[first[1]].lost, 30, "the node to be declared lost")
+    wait_for(lambda: serving(controller) and first[1] not in record.assignment.nodes, 90,
+             "the replica to serve again on live nodes")
+    assert len(set(record.assignment.nodes)) == 2
+    assert generate(router) == want
