@@ -120,6 +120,7 @@ class Fleet:
         self.commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self.model_dir: Callable[[ReplicaRecord], str] = lambda r: str(site.model_dir(site.model(r.model)))
         self._topology: Optional[Topology] = None  # built from the hellos on first use after a join
+        self.keep_snapshots: set[str] = set()  # replica ids whose KV snapshot a moved replica starts from
         # Pipeline stages' attempts and rendezvous (pipeline.py); the controller sets its endpoint.
         self.pipelines = PipelineStages(timeout=site.heartbeat.expiry)
 
@@ -189,6 +190,14 @@ class Fleet:
     def kv_snapshot_path(self, rid: str) -> str:
         """Where replica `rid` writes its KV snapshot when it drains (shared storage: the run directory)."""
         return str(self.run_dir / "kv-snapshots" / f"{rid.replace('/', '.')}.h5")
+
+    def discard_snapshot(self, rid: str) -> None:
+        """Remove a snapshot nobody will read (a replica scaled down, or a move done): they add up."""
+        self.keep_snapshots.discard(rid)
+        try:
+            Path(self.kv_snapshot_path(rid)).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("KV snapshot of %s not removed: %s", rid, exc)
 
     def stage_specs(self, record: ReplicaRecord) -> list[tuple[str, StartReplica]]:
         """(node, StartReplica) per pipeline stage of the record's assignment. Stage 0 registers with the
@@ -262,5 +271,7 @@ class Fleet:
     def forget(self, record: ReplicaRecord, why: str) -> None:
         self.replicas.pop(record.replica_id, None)
         self.pipelines.forget(record.replica_id)
+        if record.replica_id not in self.keep_snapshots:  # a move's new replica still has to read it
+            self.discard_snapshot(record.replica_id)
         self.router.replica_lost(record.replica_id, why)  # a no-op once its ReplicaBye took it out
         log.info("replica %s forgotten: %s", record.replica_id, why)

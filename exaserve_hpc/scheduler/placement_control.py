@@ -241,6 +241,7 @@ class PlacementControl:
         fleet.replicas[rid] = record
         if keeps_cache:
             record.kv_snapshot_in = fleet.kv_snapshot_path(old.replica_id)
+            fleet.keep_snapshots.add(old.replica_id)
             record.detail = f"moving from {old.agent_id}: starts once {old.replica_id} drained (KV snapshot)"
             fleet.retire(old, f"rebalance: moving to {assignment.node}")
             self.moves[rid] = MoveInFlight(old.replica_id, rid, DRAIN_FIRST, "draining old")
@@ -257,6 +258,8 @@ class PlacementControl:
             new, old = fleet.replicas.get(rid), fleet.replicas.get(move.old)
             if new is None or new.stopping:
                 del self.moves[rid]  # the new one went (scaled down, or its node lost and not re-placed)
+                if old is None:
+                    fleet.discard_snapshot(move.old)
                 continue
             if move.phase == "draining old" and old is None:
                 if new.agent_id is None and new.assignment is not None:
@@ -269,6 +272,7 @@ class PlacementControl:
                 move.phase = "draining old"
             if move.phase == "starting new" and (new.serving or new.state.terminal):
                 del self.moves[rid]
+                fleet.discard_snapshot(move.old)  # read (or refused) by the new replica: no longer needed
             elif move.phase == "draining old" and move.order == START_FIRST and old is None:
                 del self.moves[rid]
 

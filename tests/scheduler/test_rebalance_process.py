@@ -151,6 +151,8 @@ def test_a_rebalance_round_moves_one_replica_under_load_and_the_moved_replica_hi
         nodes = {r["replica_id"]: r["node"] for r in controller.status()["replicas"]}
         assert nodes[move["to"]] == "b" and move["from"] not in nodes
         assert len(controller.status()["placement"]["rebalance_rounds"]) == 1  # balanced now: no further moves
+        snapshots = tmp_path / "run" / "kv-snapshots"
+        assert not (snapshots / f"{move['from'].replace('/', '.')}.h5").exists()  # read, then removed
         cold = [stream.first[r["replica_id"]] for r in first if r["replica_id"] in stream.first]
         assert cold and all(hits == 0 for hits, _ in cold)  # a replica started cold: its first request misses
         hits, queries = stream.first[move["to"]]
