@@ -4,6 +4,7 @@ under load without failing a request. Marked slurm: under CI=true these must run
 from __future__ import annotations
 
 import json
+import socket
 import stat
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from exaserve_hpc.slurm.client import CliSlurmClient
 from exaserve_hpc.slurm.states import JobState, NodeState
@@ -68,6 +70,61 @@ def test_submitted_job_serves_and_status_shows_four_agents_with_their_replicas(f
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     published = json.loads((fleet_job.job_dir / "controller.json").read_text())
     assert published["server_public_key"] and published["nodes"] == ["n1", "n2", "n3", "n4"]
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_every_replica_holds_exactly_its_devices_within_the_steps_grant(fleet_job: Job):
+    """What status shows for a replica is what its process was given: CUDA_VISIBLE_DEVICES (read from
+    /proc/PID/environ), within the GPUs Slurm granted its node's step (the agent's own environment);
+    two replicas of a node share a device only when their model uses a fraction of a GPU."""
+    status = wait_serving(fleet_job, agents=4, replicas=REPLICAS)
+    site = yaml.safe_load((fleet_job.job_root.parent / "site.yaml").read_text())
+    fraction = {m["model_name"]: m.get("gpu_memory_utilization", 0.9) for m in site["models"]}
+    agents = {a["agent_id"]: a for a in status["agents"]}
+    by_node: dict[str, list[dict]] = {}
+    for replica in status["replicas"]:
+        if replica["state"] != "serving":
+            continue
+        assert replica.get("devices"), f"status shows no devices for {replica['replica_id']}: {replica}"
+        env = environ(replica["pid"])
+        assert env.get("SLURMD_NODENAME") == replica["node"], (replica, env.get("SLURMD_NODENAME"))
+        assert env.get("CUDA_VISIBLE_DEVICES", "").split(",") == replica["devices"], (replica, env)
+        assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        # The step's grant on that node, as Slurm gave it to the node's task (the agent).
+        step = environ(agents[replica["node"]]["pid"])
+        granted = step["CUDA_VISIBLE_DEVICES"].split(",")
+        assert len(granted) == 4 and step["SLURM_STEP_GPUS"].split(",") == ["0", "1", "2", "3"], step
+        assert set(replica["devices"]) <= set(granted), (replica, granted)
+        by_node.setdefault(replica["node"], []).append(replica)
+    for node, replicas in by_node.items():
+        for i, a in enumerate(replicas):
+            for b in replicas[i + 1:]:
+                if set(a["devices"]) & set(b["devices"]):
+                    assert fraction[a["model"]] < 1 and fraction[b["model"]] < 1, (node, a, b)
+
+
+def test_published_addresses_are_the_nodes_own_and_status_works_from_outside(fleet_job: Job):
+    """Gateway, controller and router are published under rank 0's namespace address (10.77.0.X, what
+    its node name resolves to), never a wildcard or loopback; this test runs in the root namespace,
+    which reaches them only over the cluster's bridge."""
+    wait_serving(fleet_job, agents=4, replicas=REPLICAS)
+    published = json.loads((fleet_job.job_dir / "controller.json").read_text())
+    rank0 = published["nodes"][0]
+    address = socket.gethostbyname(rank0)
+    assert address.startswith("10.77.0."), (rank0, address)
+    assert published["gateway_url"].startswith(f"http://{address}:"), published
+    assert published["endpoint"].startswith(f"tcp://{address}:"), published
+    assert fleet_job.url() == published["gateway_url"]
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
+                             str(fleet_job.job_dir)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    routers = {r["endpoint"] for r in status["replicas"]}  # the router backend every replica connects to
+    assert routers and all(e.startswith(f"tcp://{address}:") for e in routers), routers
 
 
 def test_control_plane_refuses_a_peer_without_the_job_keys(fleet_job: Job):
