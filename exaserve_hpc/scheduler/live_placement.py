@@ -31,20 +31,26 @@ from .plan import Assignment, Plan, replica_index
 
 
 def hello_inventory(agent_id: str, hello: AgentHello) -> dict:
-    """One node's inventory entry (topology_from_inventory's format) from its agent's hello."""
+    """One node's inventory entry (topology_from_inventory's format) from its agent's hello.
+
+    GPUs as NVML reports them; else the GPUs the node was granted that NVML cannot see (Slurm GRES
+    stand-ins: the pool's `device_ids`), each as big as its share of the pool; else a CPU node, one
+    device as big as the pool (host memory less L2: what replicas can reserve)."""
     entry: dict = {"hostname": agent_id}
+    pool = hello.memory
     if hello.gpus:
         gpus = []
         for g in hello.gpus:
             gpu = {"index": g.index, "memory": g.memory_total}
-            domain = getattr(g, "nvlink_domain", None)  # NVML's NVLink grouping, where the agent reports it
+            domain = getattr(g, "nvlink_domain", -1)  # NVML's NVLink grouping, where the agent reports it
             if domain is not None and domain >= 0:
                 gpu["nvlink_domain"] = domain
             gpus.append(gpu)
         entry["gpus"] = gpus
-    pool = hello.memory.total[0] if hello.memory is not None and hello.memory.total else 0
-    # A CPU node is one device whose memory is what its pool lets replicas reserve (host memory less L2).
-    entry["host_memory"] = pool if not hello.gpus and pool else hello.host_memory_total
+    elif pool is not None and getattr(pool, "device_ids", None) and len(pool.total) == len(pool.device_ids):
+        entry["gpus"] = [{"index": i, "memory": total} for i, total in enumerate(pool.total)]
+    host = pool.total[0] if pool is not None and pool.total else 0
+    entry["host_memory"] = host if "gpus" not in entry and host else hello.host_memory_total
     return entry
 
 

@@ -290,3 +290,28 @@ def test_nvlink_domains_come_from_nvml_where_the_agents_report_them(tmp_path):
     assert rid == "tp2/r0000" and spec.gpu_indices in ([0, 1], [2, 3])
     tp4 = next(m for m in ctl.status()["models"] if m["model"] == "tp4")
     assert "largest NVLink domain has 2 GPUs" in tp4["below_min"]
+
+
+def test_granted_gpus_nvml_cannot_see_are_planned_as_gpus_of_their_pool_share(tmp_path):
+    """Slurm GRES stand-ins (slurm-local): no NVML reading, but the pool names 4 granted devices: the plan
+    uses 4 GPUs per node, each as big as its pool share, so replicas spread over them as `exaserve plan`
+    spreads them over the declared GPUs."""
+    site = parse_site({"site": "standin", "run_dir": str(tmp_path / "run"),
+                       "cluster": {"nodes": 2, "nodelist": "n[1-2]", "gpus_per_node": 4, "gpu_memory": "1GiB",
+                                   "fault_groups": {"ra": "n1", "rb": "n2"}},
+                       "scheduler": {"max_replicas_per_node": 4},
+                       "weight_cache": {"l3_path": str(tmp_path / "models")},
+                       "models": [{"model_name": "m", "engine": "echo", "replicas": 4, "min_replicas": 4,
+                                   "gpu_memory_utilization": 0.6}]})
+    clock = Clock()
+    ctl = Controller(site, StubRouter(), clock=clock, bind_socket=False, expected_agents=["n1", "n2"])
+    share = 700 << 20  # (host memory x 0.9 - L2) / 4
+    for node in ("n1", "n2"):
+        ctl.handle(node, AgentHello(agent_id=node, hostname=node, pid=1, host_memory_total=4 * GiB,
+                                    memory=MemoryPoolStatus(block_size=1 << 20, total=[share] * 4, free=[share] * 4,
+                                                            device_ids=[f"{i}" for i in range(4)])))
+    sent = starts(ctl)
+    plan = plan_site(site)
+    assert {rid: (node, tuple(m.gpu_indices)) for rid, (node, m) in sent.items()} == \
+        {a.replica_id: (a.node, a.gpus) for a in plan.assignments}
+    assert {m.memory_bytes for _, m in sent.values()} == {int(0.6 * share)}  # what the pool can grant
