@@ -66,7 +66,11 @@ def test_small_sites_place_everything(name, replicas, per_node_max):
 
 
 def test_cpu_site_uses_host_memory_as_one_device():
-    site = load_site(SITES / "slurm-local.yaml")
+    # four CPU nodes in two fault groups (slurm-local declares stand-in GPUs now)
+    site = parse_site({"site": "cpu4", "cluster": {"nodes": 4, "nodelist": "n[1-4]", "gpus_per_node": 0,
+                                                   "fault_groups": {"rack-a": "n[1-2]", "rack-b": "n[3-4]"}},
+                       "models": [{"model_name": "tiny-llama", "replicas": 4, "max_seq_len": 1024,
+                                   "tiny": {"max_position": 1024}}]})
     plan = plan_site(site)
     assert all(a.gpus == (0,) for a in plan.assignments)
     assert all(len(v) == 1 and v[0] == 64 * 2**30 for v in plan.memory_total.values())
