@@ -16,8 +16,8 @@ and finds the others through the controller (StageHello until the StageTable is 
   serving, since stage 0 still drains through them: they exit when the ring stops, after the drain
   timeout, or at once if their agent is gone (never an orphan).
 
-Not yet: a KV snapshot (it would hold stage 0's layers only) and KV events are off for stage 0;
-each stage reads the whole checkpoint before keeping its layers.
+Not yet: KV snapshots are off for pipeline replicas (one would hold stage 0's layers only); each
+stage reads the whole checkpoint before keeping its layers; the reference engine only.
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def build_head(spec: StartReplica, args, reporter, make_engine) -> tuple[object,
     if spec.kv_snapshot_in or spec.kv_snapshot_out:  # a snapshot would hold stage 0's layers only
         log.warning("replica %s: KV snapshots are off for pipeline replicas", spec.replica_id)
         spec.kv_snapshot_in = spec.kv_snapshot_out = ""
-    engine = make_engine(spec, load_stage(spec, args, reporter))
+    from .replica_main import kv_events_announced, kv_events_bind
+    # KV events are stage 0's block manager's: every stage holds those blocks, so they describe the replica.
+    engine = make_engine(spec, load_stage(spec, args, reporter), kv_events_endpoint=kv_events_bind(spec.router_backend),
+                         kv_events_tokens=False)
 
     def lost(why: str) -> None:  # on the link's watchdog thread: the replica cannot serve any more
         reporter.state(ReplicaState.FAILED, f"pipeline: {why}")
@@ -129,7 +132,7 @@ def build_head(spec: StartReplica, args, reporter, make_engine) -> tuple[object,
 
     link = open_link(stage, args.node, on_lost=lost)
     attach_head(engine, link, stage.size, timeout=max(stage.timeout, 10.0), step_timeout=4 * stage.timeout)
-    return engine, ""
+    return engine, kv_events_announced(engine.kv_events_endpoint)
 
 
 def close_head(engine) -> None:

@@ -40,6 +40,8 @@ import numpy as np
 log = logging.getLogger("exaserve.stage_link")
 
 POLL_SLICE_MS = 100  # how often a waiting receive looks at `lost`
+# zmq.EVENT_ACCEPTED | CONNECTED | HANDSHAKE_SUCCEEDED | DISCONNECTED (zmq is imported where used)
+WATCHED = 0x0020 | 0x0001 | 0x1000 | 0x0200
 
 
 class LinkError(RuntimeError):
@@ -118,8 +120,8 @@ class ZmqStageLink:
         port = self.inbound.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host if ':' not in host else f'[{host}]'}:{port}"
         self.outbound = None
-        self._monitors = [(self.inbound.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED),
-                           stage_name(self.prev, self.nodes), "sending to us")]
+        self._monitors = [(self.inbound.get_monitor_socket(WATCHED), stage_name(self.prev, self.nodes),
+                           "sending to us")]
         self._stop = threading.Event()
         self._watchdog: Optional[threading.Thread] = None
 
@@ -143,19 +145,23 @@ class ZmqStageLink:
             from ..bootstrap import CurveKeys, secure_client
             c = self.curve
             secure_client(self.outbound, CurveKeys(c.client_public, b"", c.client_public, c.client_secret))
-        self._monitors.append((self.outbound.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED),
-                               stage_name(self.next, self.nodes), "we send to"))
+        self._monitors.append((self.outbound.get_monitor_socket(WATCHED), stage_name(self.next, self.nodes),
+                               "we send to"))
         self.outbound.connect(endpoint)
         self.next_endpoint = endpoint
         self._watchdog = threading.Thread(target=self._watch, name=f"stage-link-{self.rank}", daemon=True)
         self._watchdog.start()
 
     def _watch(self) -> None:
-        """Record the first disconnect of a peer that had connected (the monitor sockets are this thread's)."""
+        """Record the loss of a peer (the monitor sockets are this thread's). Each side has one peer: the
+        connection whose handshake completed first (a handshake event names no connection, so it is the
+        one accepted or made last before it); that connection closing is the peer's loss. A stranger
+        without the job's key fails the handshake, so its connections come and go without counting."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        seen = [False] * len(self._monitors)
+        latest = [None] * len(self._monitors)  # fd of the connection accepted / made last, per side
+        peer_fd = [None] * len(self._monitors)
         poller = zmq.Poller()
         for monitor, _, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -164,10 +170,13 @@ class ZmqStageLink:
             for index, (monitor, peer, role) in enumerate(self._monitors):
                 if monitor not in ready:
                     continue
-                event = recv_monitor_message(monitor)["event"]
+                message = recv_monitor_message(monitor)
+                event, value = message["event"], message["value"]
                 if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                    seen[index] = True
-                elif event == zmq.EVENT_DISCONNECTED and seen[index]:
+                    latest[index] = value
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and peer_fd[index] is None:
+                    peer_fd[index] = latest[index]
+                elif event == zmq.EVENT_DISCONNECTED and value == peer_fd[index]:
                     self._lose(f"{peer} ({role}) went away: its process exited or its node stopped "
                                f"answering for {self.timeout:g}s")
 

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from exaserve_hpc.agent.node_agent import NodeAgent
+from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, make_curve_keys, secure_client
 from exaserve_hpc.agent.pipeline_stage import StageError, rendezvous
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.config import parse_site
@@ -79,9 +80,11 @@ def unsplit_tokens(model_dir, site) -> list[int]:
     return tokens
 
 
-def generate(router: ZmqRouter, timeout: float = 30.0) -> list[int]:
+def generate(router: ZmqRouter, keys=None, timeout: float = 30.0) -> list[int]:
     gateway = router.context.socket(zmq.DEALER)
     gateway.setsockopt(zmq.LINGER, 0)
+    if keys is not None:  # a client of a CURVE router holds the job's key, as the gateway does
+        secure_client(gateway, keys)
     gateway.connect(router.frontend_endpoint)
     try:
         gateway.send(encode(GenerateRequest(request_id=uuid.uuid4().hex, model=MODEL, prompt_token_ids=PROMPT,
@@ -101,23 +104,33 @@ def generate(router: ZmqRouter, timeout: float = 30.0) -> list[int]:
         gateway.close()
 
 
-@pytest.fixture
-def fleet(tmp_path):
+@pytest.fixture(params=["plain", "curve"])
+def fleet(tmp_path, request):
+    """Plain TCP as `exaserve serve` runs; or CURVE as under `exaserve launch`: the controller, the router
+    and every stage link admit only the job's key, which the replicas read from the job directory."""
     site = pp_site(tmp_path)
     model_dir = create_tiny_checkpoint(site.model_dir(site.model(MODEL)), TINY)
     context = zmq.Context()
+    keys, replica_env = None, None
+    if request.param == "curve":
+        jobdir = JobDir(tmp_path / "job").ensure()
+        keys = make_curve_keys(jobdir)
+        replica_env = {CURVE_JOB_DIR_VARIABLE: str(jobdir.path)}
     dispatcher = Dispatcher(RoundRobin(), DispatchSettings(max_attempts=3, first_token_timeout=30,
                                                            replica_expiry=3.0, request_timeout=60), {MODEL})
-    router = ZmqRouter(dispatcher, context=context).start()
-    controller = Controller(site, router, context=context, expected_agents=["n1", "n2"], placement_grace=10.0)
+    router = ZmqRouter(dispatcher, context=context, curve=keys).start()
+    controller = Controller(site, router, context=context, expected_agents=["n1", "n2"], placement_grace=10.0,
+                            curve=keys)
     controller.start()
     agents, threads = {}, []
     for name in ("n1", "n2"):
         agents[name] = NodeAgent(controller.endpoint, name, 0.5, hostname=name, l2_root=str(tmp_path / f"l2-{name}"),
-                                 pool_bytes=1 << 30, l2_capacity=64 << 20)
+                                 pool_bytes=1 << 30, l2_capacity=64 << 20, replica_env=replica_env)
+        if keys is not None:
+            secure_client(agents[name].socket, keys)
         threads.append(threading.Thread(target=agents[name].run, daemon=True))
         threads[-1].start()
-    yield site, model_dir, router, controller, agents
+    yield site, model_dir, router, controller, agents, keys
     controller.shutdown(drain_timeout=2.0, wait=15.0)
     for thread in threads:
         thread.join(20)
@@ -141,7 +154,7 @@ def stage_slots(agents) -> dict[str, object]:
 
 
 def test_a_pp2_replica_across_two_agents_serves_pp1_tokens_and_a_lost_stage_restarts_it(fleet):
-    site, model_dir, router, controller, agents = fleet
+    site, model_dir, router, controller, agents, keys = fleet
     want = unsplit_tokens(model_dir, site)
     wait_for(lambda: serving(controller), 90, "the PP=2 replica to serve")
     live = stage_slots(agents)
@@ -152,7 +165,7 @@ def test_a_pp2_replica_across_two_agents_serves_pp1_tokens_and_a_lost_stage_rest
     assert stage1_id == f"{MODEL}/r0000~s1@1" and stage1.spec.stage.rank == 1
     assert stage1.spec.stage.nodes == [stage0_node, stage1_node]
 
-    assert generate(router) == want and len(want) == MAX_TOKENS
+    assert generate(router, keys) == want and len(want) == MAX_TOKENS
 
     os.kill(stage1.process.pid, signal.SIGKILL)  # stage 1's process dies: the whole replica fails
     record = controller.replicas[f"{MODEL}/r0000"]
@@ -160,7 +173,7 @@ def test_a_pp2_replica_across_two_agents_serves_pp1_tokens_and_a_lost_stage_rest
     assert "stage 1 on node " + stage1_node in record.detail, record.detail  # stage 0 named what it lost
     wait_for(lambda: serving(controller) and stage_slots(agents)[stage1_node], 90,
              "the replica to serve again with a new stage 1")
-    assert generate(router) == want
+    assert generate(router, keys) == want
     ((new_id, _),) = stage_slots(agents)[stage1_node].items()
     assert new_id == f"{MODEL}/r0000~s1@2"
 

@@ -96,3 +96,42 @@ def test_a_silent_stage_fails_a_bounded_receive_naming_it():
     assert time.monotonic() - started < 2
     for link in links:
         link.close()
+
+
+def test_with_the_jobs_keys_a_stage_link_admits_only_peers_holding_them(tmp_path):
+    import zmq
+
+    from exaserve_hpc.bootstrap import JobDir, load_client_keys, make_curve_keys
+
+    jobdir = JobDir(tmp_path / "job").ensure()
+    make_curve_keys(jobdir)
+    keys = load_client_keys(jobdir)  # what a replica reads: no server secret
+    nodes = ["a", "b"]
+    links = [ZmqStageLink(s, 2, nodes, timeout=5.0, curve=keys) for s in range(2)]
+    for s, link in enumerate(links):
+        link.connect(links[1 - s].endpoint)
+    links[0].send({"op": "x"}, np.ones(2, np.float32))
+    assert links[1].receive(5.0)[0] == {"op": "x"}
+    context = zmq.Context()
+    rogues = []
+    for curve in (True, False):  # a key of its own, and no CURVE at all
+        rogue = context.socket(zmq.PUSH)
+        rogue.setsockopt(zmq.LINGER, 0)
+        if curve:
+            rogue.curve_publickey, rogue.curve_secretkey = zmq.curve_keypair()
+            rogue.curve_serverkey = keys.client_public
+        rogue.connect(links[1].endpoint)
+        rogues.append(rogue)
+    time.sleep(0.3)  # time for the handshakes (refused)
+    for rogue in rogues:
+        try:
+            rogue.send_multipart([b"junk", b"\0\0\0\0"], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not even connected: refused at the handshake
+    with pytest.raises(LinkError, match="nothing from stage 0 on node a"):
+        links[1].receive(1.0)
+    for rogue in rogues:
+        rogue.close()
+    context.term()
+    for link in links:
+        link.close()
