@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System packages for the tests that use real components: MPI, Slurm 22.05 + munge (the local test
-# cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves), Lmod.
-DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod)
+# cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves: iproute2 for its
+# network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod.
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
