@@ -117,8 +117,11 @@ class ZmqStageLink:
             # Stages are peers holding the same job client keypair: each end proves it has the secret.
             own = CurveKeys(curve.client_public, curve.client_secret, curve.client_public, curve.client_secret)
             self._zap = secure_server(self.inbound, own, self.context, "stage link")
-        port = self.inbound.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host if ':' not in host else f'[{host}]'}:{port}"
+        literal = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets
+        if ":" in host:
+            self.inbound.setsockopt(zmq.IPV6, 1)
+        port = self.inbound.bind_to_random_port(f"tcp://{literal}")
+        self.endpoint = f"tcp://{literal}:{port}"
         self.outbound = None
         self._monitors = [(self.inbound.get_monitor_socket(WATCHED), stage_name(self.prev, self.nodes),
                            "sending to us")]
@@ -139,6 +142,7 @@ class ZmqStageLink:
         """Connect to the next stage's inbound endpoint and start watching both peers."""
         import zmq
         self.outbound = self._socket(zmq.PUSH)
+        self.outbound.setsockopt(zmq.IPV6, 1)  # the next stage may listen on an IPv6 address
         self.outbound.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not (or no longer) connected
         self.outbound.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
         if self.curve is not None:
