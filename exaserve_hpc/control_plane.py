@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from . import metrics
 from .addresses import AddressError, http_url, resolve_listen
 from .config import SiteConfig
 from .controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
@@ -90,16 +91,8 @@ def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
 
 
 def router_policy(site: SiteConfig):
-    """The routing policy the site's router section asks for, with its prefix settings."""
-    try:
-        from .router.policies import policy_for_site
-    except ImportError:  # the policy table is not in this tree yet: the factory in balancing.py
-        from .router.balancing import make_policy
-        if site.router.policy == "prefix_affinity":
-            from .router.affinity import AffinitySettings
-            return make_policy("prefix_affinity", settings=AffinitySettings.from_site(
-                site.router, site.batching.prefill_chunk_tokens))
-        return make_policy(site.router.policy)
+    """The routing policy the site's router section asks for, with its settings (router/policies.py)."""
+    from .router.policies import policy_for_site
     return policy_for_site(site.router, site.batching)
 
 
@@ -259,6 +252,7 @@ class ControlPlane:
         self.keeper = StateKeeper(self.controller, Path(s.state_dir) / CHECKPOINT_FILE, s.job_id, s.restart,
                                   interval=site.requeue.checkpoint_interval).start()
         self._closers.append(self.keeper.stop)
+        metrics.watch_fleet(self.controller, self.router, self.keeper)  # the fleet on the gateway's /metrics
         self._start_agent()
         self.app = self._app()
 
