@@ -226,3 +226,21 @@ def test_a_stop_file_from_this_run_stops_it(tmp_path):
     stale.touch()
     watch.check()
     assert stops == ["stop-requested in the job directory"]
+
+
+def test_requeue_triggers_are_site_keys_that_the_launch_flags_override():
+    import argparse
+
+    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.launcher.rank import add_launch_arguments, requeue_policy
+
+    site = parse_site({"site": "t", "models": [{"model_name": "m"}],
+                       "requeue": {"capacity_floor": 0.75, "time_margin": "10m", "checkpoint_interval": "1m"}})
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    assert requeue_policy(site, parser.parse_args([])) == RequeuePolicy(capacity_floor=0.75, time_margin=600.0)
+    assert requeue_policy(site, parser.parse_args(["--capacity-floor", "0", "--time-margin", "30"])) == \
+        RequeuePolicy(capacity_floor=0.0, time_margin=30.0)
+    assert site.requeue.checkpoint_interval == 60.0 and parser.parse_args([]).replace_lost_nodes is None
+    with pytest.raises(Exception, match="capacity_floor"):
+        parse_site({"site": "t", "models": [{"model_name": "m"}], "requeue": {"capacity_floor": 2}})
