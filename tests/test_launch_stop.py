@@ -1,7 +1,7 @@
 """`exaserve launch` ranks stopped as Slurm stops them, without Slurm: two ranks on this machine (srun's
 variables set by hand, so the job directory carries the bootstrap), each with its own L2 directory.
-SIGUSR1 to every task (Slurm's warning before the time limit): rank 0 writes the checkpoint before the
-drain, every agent empties its L2, every rank exits 0. The gateway URL published in the job directory
+SIGUSR1 to every task (Slurm's warning before the time limit), or the batch shell's stop-requested file:
+rank 0 writes the checkpoint before the drain, every agent empties its L2, every rank exits 0. The gateway URL published in the job directory
 is the node's address, and `exaserve status --run-dir JOBDIR` reaches it."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def start_rank(site_file: Path, job_dir: Path, rank: int, node: str, log: Path) 
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def test_every_rank_stops_gracefully_on_sigusr1(tmp_path):
+@pytest.mark.parametrize("how", ["SIGUSR1 to every task", "stop-requested file"])
+def test_every_rank_stops_gracefully(tmp_path, how):
     l2 = tmp_path / "shm"
     site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(l2)},
                                  cluster={"nodes": 2, "nodelist": "nodea,nodeb"},
@@ -56,8 +57,11 @@ def test_every_rank_stops_gracefully_on_sigusr1(tmp_path):
         url = json.loads((job_dir / "serve.json").read_text())["url"]
         assert "0.0.0.0" not in url and json.loads((job_dir / "controller.json").read_text())["gateway_url"] == url
         assert [p for p in l2.rglob("*") if p.is_file()], "the replicas' weights were not staged in L2"
-        for r in ranks:
-            os.kill(r.pid, signal.SIGUSR1)
+        if how.startswith("SIGUSR1"):
+            for r in ranks:
+                os.kill(r.pid, signal.SIGUSR1)
+        else:  # what the batch shell's trap writes when a signal reached it but not the tasks
+            (job_dir / "stop-requested").touch()
         codes = [r.wait(timeout=60) for r in ranks]
         assert codes == [0, 0], output()
     finally:

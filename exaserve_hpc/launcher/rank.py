@@ -107,16 +107,17 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
 
 def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                         nodes: list[str], args: argparse.Namespace):
-    """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue."""
-    if args.no_requeue or not site.requeue.enabled or not job.can_requeue:
-        return None
+    """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue,
+    and in any case for the batch script's stop-requested file."""
     from .requeue_watch import RequeueWatch
-    replace = site.requeue.replace_lost_nodes if args.replace_lost_nodes is None else args.replace_lost_nodes
+    requeue = not args.no_requeue and site.requeue.enabled and job.can_requeue
+    replace = requeue and (site.requeue.replace_lost_nodes if args.replace_lost_nodes is None
+                           else args.replace_lost_nodes)
     if replace:
         job.enable_node_requests(site, resolve_site(args.site), jobdir.path)
     return RequeueWatch(plane.controller, job, plane.keeper, jobdir.path, nodes, rank.node,
                         requeue_policy(site, args), replace_lost_nodes=replace,
-                        request_stop=plane.request_stop).start()
+                        request_stop=plane.request_stop, requeue=requeue).start()
 
 
 def run_joining_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float = 120.0) -> int:

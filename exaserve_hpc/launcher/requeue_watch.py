@@ -44,9 +44,12 @@ class RequeueWatch:
     def __init__(self, controller, job: JobEnvironment, keeper, job_dir: Path, planned_nodes: list[str],
                  controller_node: str, policy: RequeuePolicy = RequeuePolicy(), replace_lost_nodes: bool = False,
                  interval: float = 2.0, end_time_refresh: float = 30.0, clock: Callable[[], float] = time.time,
-                 request_stop: Callable[[str], None] = lambda why: None):
+                 request_stop: Callable[[str], None] = lambda why: None, requeue: bool = True):
         """keeper: a state_keeper.StateKeeper. request_stop(why): ends this run gracefully (the
-        control plane's stop), called after a successor job was submitted or on a stop file."""
+        control plane's stop), called after a successor job was submitted or on a stop file.
+        requeue: False watches the stop file only (requeue off, or a job environment that cannot)."""
+        self.requeue_enabled = requeue
+        self.stop_requested = False
         self.controller = controller
         self.job = job
         self.keeper = keeper
@@ -105,9 +108,12 @@ class RequeueWatch:
 
     def check(self) -> Optional[RequeueDecision]:
         """One round: decide, and act on a yes. Returns the decision acted on, else None."""
-        if self.stop_file_requested():
+        if not self.stop_requested and self.stop_file_requested():
+            self.stop_requested = True
             log.warning("%s appeared in %s: stopping gracefully", STOP_FILE, self.job_dir)
             self.request_stop(f"{STOP_FILE} in the job directory")
+        if not self.requeue_enabled:
+            return None
         end = self.end_time() if self.policy.time_margin > 0 else None
         snapshot = snapshot_from_status(self.controller.status(), self.planned_nodes, self.controller_node,
                                         None if end is None else end - self.clock(),

@@ -244,3 +244,14 @@ def test_requeue_triggers_are_site_keys_that_the_launch_flags_override():
     assert site.requeue.checkpoint_interval == 60.0 and parser.parse_args([]).replace_lost_nodes is None
     with pytest.raises(Exception, match="capacity_floor"):
         parse_site({"site": "t", "models": [{"model_name": "m"}], "requeue": {"capacity_floor": 2}})
+
+
+def test_with_requeue_off_only_the_stop_file_is_watched(tmp_path):
+    controller = FakeController({"n1": "alive", "n2": "lost", "n3": "lost", "n4": "lost"})
+    job = FakeJob()
+    watch, stops = watch_for(tmp_path, controller, job, clock=time.time, requeue=False)
+    assert watch.check() is None and job.calls == [] and not (tmp_path / CHECKPOINT_FILE).exists()
+    (tmp_path / STOP_FILE).touch()
+    watch.check()
+    watch.check()
+    assert stops == ["stop-requested in the job directory"]  # once
