@@ -71,3 +71,23 @@ def test_every_rank_stops_gracefully(tmp_path, how):
     state = load_state(job_dir / CHECKPOINT_FILE)
     assert state.job_id == "t1" and len(state.placement) == 2 and all(n for _, n in state.placement.values())
     assert [p for p in l2.rglob("*") if p.is_file()] == [], "an agent left L2 files behind"
+
+
+def test_an_agent_rank_stops_by_itself_when_rank_0_gives_no_order():
+    from exaserve_hpc.launcher.rank import stop_gracefully_on_signals
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGINT)}
+    stopped = []
+    try:
+        stop_gracefully_on_signals(lambda: stopped.append(time.monotonic()), grace=0.3)
+        sent = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        assert stopped == [], "stopped before rank 0 had its chance"
+        deadline = time.monotonic() + 5
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(stopped) == 1 and stopped[0] - sent >= 0.3
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -69,11 +69,23 @@ def requeue_policy(site: SiteConfig, args: argparse.Namespace):
                          time_margin=r.time_margin if args.time_margin is None else args.time_margin)
 
 
-def stop_gracefully_on_signals(stop) -> None:
-    """An agent rank: TERM (scancel, preemption) and USR1 (time limit near) drain and stop; Ctrl-C, which
-    reaches every task, is the controller's to order."""
+# Slurm signals every task at once. An agent rank first leaves the stop to rank 0, which finishes the
+# gateway's open streams (on every node's replicas) before it tells the agents to drain; if that order
+# has not come after this long (rank 0 gone), the agent drains by itself, well within Slurm's KillWait.
+AGENT_STOP_GRACE = 15.0
+
+
+def stop_gracefully_on_signals(stop, grace: float = AGENT_STOP_GRACE) -> None:
+    """An agent rank: TERM (scancel, preemption) and USR1 (time limit near) stop it: by rank 0's order,
+    else by itself after `grace` seconds (SIGALRM, so `stop` runs on the agent's thread as a handler).
+    Ctrl-C, which reaches every task, is the controller's to order."""
+    def arm(sig, frame):
+        print(f"exaserve: {signal.Signals(sig).name}: stopping (by rank 0's order, or in {grace:.0f}s)", flush=True)
+        signal.setitimer(signal.ITIMER_REAL, grace)
+
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda *_: stop())
+        signal.signal(sig, arm)
+    signal.signal(signal.SIGALRM, lambda *_: stop())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
