@@ -1,5 +1,11 @@
 """Prometheus metrics for the gateway, router and controller.
 
+Two kinds: counters and histograms of events, incremented where they happen (gateway requests, quota
+refusals, nodes lost, OOM evictions, weight-load failures and durations); and the fleet's state
+(per replica, per node, per model, the router's counters), which ``FLEET`` reads from the controller
+and the router at scrape time once ``watch_fleet`` has pointed it at them (observability/collector.py
+lists every name and the cardinality).
+
 Everything registers on one module-level ``REGISTRY`` instead of
 prometheus_client's global default: a process may build several gateway apps
 (tests do, one per fixture) and the default registry refuses to register a
@@ -61,30 +67,67 @@ INFLIGHT_REQUESTS = Gauge(
     registry=REGISTRY,
 )
 
-# ------------------------------------------------------------ router / controller
+# ------------------------------------------------------------ events
+# Things that happen between scrapes, counted where they happen. Everything that is a *state* (replica
+# queue depth, node telemetry, breaker state, replicas per state) is read from the controller and the
+# router at scrape time instead: see exaserve_hpc/observability/collector.py, registered below.
 
-REPLICAS = Gauge(
-    "exaserve_replicas",
-    "Replicas by model and lifecycle state.",
-    ["model", "state"],
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "exaserve_time_per_output_token_seconds",
+    "Per finished request with two or more completion tokens: (last token - first token) / (tokens - 1), "
+    "as the gateway received them.",
+    ["model"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
     registry=REGISTRY,
 )
-ROUTER_RETRIES = Counter(
-    "exaserve_router_retries_total",
-    "Requests the router re-sent to another replica, by cause (replica_failed, timeout, node_lost, ...).",
-    ["model", "cause"],
+QUOTA_REJECTIONS = Counter(
+    "exaserve_quota_rejections_total",
+    "Requests refused with 429 because their quota group was at a limit "
+    "(limit: max_concurrent_requests or tokens_per_minute).",
+    ["group", "limit"],
     registry=REGISTRY,
 )
-NODES = Gauge(
-    "exaserve_nodes",
-    "Nodes of the allocation by state.",
-    ["state"],
+GROUP_TOKENS = Counter(
+    "exaserve_group_tokens_total",
+    "Prompt + completion tokens of finished requests, by quota group ('none' for callers without one).",
+    ["group"],
     registry=REGISTRY,
 )
-HEARTBEAT_AGE = Gauge(
-    "exaserve_heartbeat_age_seconds",
-    "Seconds since the controller last heard from each node agent.",
-    ["node"],
+GROUP_INFLIGHT = Gauge(
+    "exaserve_group_inflight_requests",
+    "Generation requests admitted and not yet answered, by quota group ('none' for callers without one).",
+    ["group"],
+    registry=REGISTRY,
+)
+NODES_LOST = Counter(
+    "exaserve_nodes_lost_total",
+    "Times the controller declared a node lost (heartbeat.misses silent heartbeat intervals); its replicas "
+    "are then placed elsewhere (a failover).",
+    registry=REGISTRY,
+)
+OOM_EVICTIONS = Counter(
+    "exaserve_oom_evictions_total",
+    "Replicas the OOM guard stopped because their node ran short of device memory.",
+    ["model"],
+    registry=REGISTRY,
+)
+WEIGHT_LOAD_FAILURES = Counter(
+    "exaserve_weight_load_failures_total",
+    "Replica weight loads that failed on a node, by reason (checksum, load_timeout, checkpoint, l2_full, io).",
+    ["model", "reason"],
+    registry=REGISTRY,
+)
+WEIGHT_LOAD_SECONDS = Histogram(
+    "exaserve_weight_load_seconds",
+    "Seconds replicas spent loading weights, by the tier they came from (l2: host cache, l3: shared store).",
+    ["tier"],
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+    registry=REGISTRY,
+)
+REPLICA_FAILURES = Counter(
+    "exaserve_replica_failures_total",
+    "Replica processes that reported failed, by model.",
+    ["model"],
     registry=REGISTRY,
 )
 
@@ -92,3 +135,14 @@ HEARTBEAT_AGE = Gauge(
 def render() -> tuple[bytes, str]:
     """The registry in Prometheus text exposition format: (body, content type)."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def watch_fleet(controller, router, keeper=None) -> None:
+    """Serve this control plane's fleet on /metrics (one per process; a later call replaces it)."""
+    FLEET.watch(controller, router, keeper)
+
+
+# The fleet's per-replica, per-node and cluster figures, read at scrape time (observability/collector.py).
+from .observability.collector import FLEET  # noqa: E402 - it imports this module's counters lazily
+
+REGISTRY.register(FLEET)

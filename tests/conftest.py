@@ -1,7 +1,7 @@
 """Suite-wide rules.
 
 Under CI=true a test that needs a real outside component (Slurm, MPI, Lmod)
-must run: if it skips because the component is missing, that is a failure of
+must run (Prometheus included): if it skips because the component is missing, that is a failure of
 the CI setup, not a pass.
 """
 
@@ -12,7 +12,7 @@ import os
 import pytest
 from hypothesis import settings
 
-REAL_COMPONENT_MARKERS = ("slurm", "mpi", "lmod")
+REAL_COMPONENT_MARKERS = ("slurm", "mpi", "lmod", "prometheus")
 
 
 def _in_ci() -> bool:

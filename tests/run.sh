@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 
 # System packages for the tests that use real components: MPI, Slurm 22.05 + munge (the local test
 # cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves: iproute2 for its
-# network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod.
-DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2)
+# network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod, Prometheus
+# (prometheus and promtool: the alert rules' tests and a real Prometheus scraping exaserve serve).
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -26,5 +27,5 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test,mpi]'
 
-# Under CI=true a test that needs Slurm, MPI or Lmod must run, not skip: conftest.py turns such skips into failures.
+# Under CI=true a test that needs Slurm, MPI, Lmod or Prometheus must run, not skip: conftest.py turns such skips into failures.
 exec .venv/bin/python -m pytest "$@"

@@ -106,11 +106,13 @@ class Admission:
                            code="overloaded", retry_after=_OVERLOAD_RETRY_AFTER)
         limit = self.group_limits.get(group) if group else None
         if limit is not None and self.by_group.get(group, 0) >= limit:
+            metrics.QUOTA_REJECTIONS.labels(group, "max_concurrent_requests").inc()
             raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
                            "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
                            retry_after=_OVERLOAD_RETRY_AFTER)
         wait = self.budget.wait(group, self.clock())
         if wait > 0:
+            metrics.QUOTA_REJECTIONS.labels(group, "tokens_per_minute").inc()
             raise ApiError(429, f"quota group {group!r} used its tokens_per_minute "
                            f"({self.budget.limits[group]} prompt + completion tokens per 60 s); "
                            f"retry in {wait:.0f} s", code="quota_exceeded", retry_after=wait)
@@ -118,6 +120,7 @@ class Admission:
         if group:
             self.by_group[group] = self.by_group.get(group, 0) + 1
         metrics.INFLIGHT_REQUESTS.inc()
+        metrics.GROUP_INFLIGHT.labels(group or "none").inc()
         return Ticket(self, group)
 
 
@@ -137,3 +140,6 @@ class Ticket:
         if self._group:
             self._admission.by_group[self._group] -= 1
         metrics.INFLIGHT_REQUESTS.dec()
+        metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()
+        if tokens > 0:
+            metrics.GROUP_TOKENS.labels(self._group or "none").inc(tokens)

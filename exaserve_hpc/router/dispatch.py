@@ -97,6 +97,8 @@ class Dispatcher:
             entry.prefix_hit_tokens = message.prefix_hit_tokens
             entry.prefix_query_tokens = message.prefix_query_tokens
             entry.kv_blocks_cached = message.kv_blocks_cached
+            entry.running, entry.requests_finished = message.running, message.requests_finished
+            entry.tokens_generated = message.tokens_generated
             for pool in self._pools_of(entry):
                 pool.set_latency(entry.load, message.latency_ewma_ms)
             return []
@@ -206,7 +208,9 @@ class Dispatcher:
                  "outstanding": e.load.outstanding, "queue_depth": e.load.queue_depth,
                  "draining": e.draining, "breaker": e.breaker.state.value if e.breaker else "closed",
                  "prefix_hit_tokens": e.prefix_hit_tokens, "prefix_query_tokens": e.prefix_query_tokens,
-                 "kv_blocks_cached": e.kv_blocks_cached}
+                 "kv_blocks_cached": e.kv_blocks_cached, "kv_used": e.load.kv_used,
+                 "latency_ewma_ms": e.load.latency_ewma_ms, "running": e.running,
+                 "requests_finished": e.requests_finished, "tokens_generated": e.tokens_generated}
                 for rid, e in sorted(self.replicas.items())
             ],
             # Over the replicas in rotation, as their engines report them: the fleet's prefix-cache hit rate.

@@ -36,6 +36,9 @@ class ReplicaEntry:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     kv_blocks_cached: int = 0
+    running: int = 0  # sequences in its running batch, and its totals since it started (for /metrics)
+    requests_finished: int = 0
+    tokens_generated: int = 0
 
 
 @dataclass

@@ -84,11 +84,13 @@ class Generation:
         self._ticket = ticket
         self._arrived = arrived
         self._closed = False
+        self._first_at = self._last_at = 0.0  # perf_counter() of the first and the latest token chunk
 
     async def start(self) -> None:
         """Wait for the first chunk, so that a refusal can still be answered with its HTTP status."""
         if self._first is None:
             self._first = await self._next_chunk()
+            self._first_at = self._last_at = time.perf_counter()
             metrics.TIME_TO_FIRST_TOKEN.labels(self.request.model).observe(time.perf_counter() - self._arrived)
 
     async def texts(self) -> AsyncIterator[str]:
@@ -111,6 +113,7 @@ class Generation:
             if self.finish_reason:
                 return
             chunk = await self._next_chunk()
+            self._last_at = time.perf_counter()
 
     async def _next_chunk(self) -> TokenChunk:
         try:
@@ -131,6 +134,9 @@ class Generation:
         finally:
             self._ticket.release(tokens=self.prompt_tokens + self.completion_tokens)
             metrics.GENERATED_TOKENS.labels(self.request.model).inc(self.completion_tokens)
+            if self.finish_reason and self.completion_tokens > 1 and self._last_at > self._first_at:
+                metrics.TIME_PER_OUTPUT_TOKEN.labels(self.request.model).observe(
+                    (self._last_at - self._first_at) / (self.completion_tokens - 1))
 
 
 # ------------------------------------------------------------ response shapes

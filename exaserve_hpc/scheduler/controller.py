@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from .. import metrics
 from ..agent.lifecycle import ReplicaState
 from ..config import SiteConfig
 from ..protocol import (
@@ -348,6 +349,7 @@ class Controller:
                                        missing + waiting)
         count = min(missing, max(0, room - waiting))
         if count < missing:
+                metrics.NODES_LOST.inc()
             self.bounded[decision.model] = (f"target {decision.target} cut to {len(active) + count}: "
                                             f"room for {max(0, room - waiting)} more ({why})")
             log.info("autoscale %s: %s", decision.model, self.bounded[decision.model])

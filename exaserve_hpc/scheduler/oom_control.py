@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from .. import metrics
 from ..protocol import MemoryPoolStatus
 from .fleet_state import AgentRecord, ReplicaRecord
 from .oom_guard import MemoryReading, OomDecision, oom_guard
@@ -152,6 +153,7 @@ class OomControl:
             self.evictions.append({"at": round(time.time(), 3), "replica_id": eviction.replica_id,
                                    "model": eviction.model, "node": eviction.node, "device": eviction.device,
                                    "priority": round(eviction.priority, 3), "reason": eviction.reason})
+            metrics.OOM_EVICTIONS.labels(eviction.model).inc()
             agent = fleet.agents.get(eviction.node)
             self._acted_at[eviction.node] = agent.telemetry_at if agent is not None else now
             self._closed_until[eviction.node] = now + self.hold

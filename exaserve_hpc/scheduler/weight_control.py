@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from .. import metrics
 from ..agent.lifecycle import ReplicaState
 from ..agent.load_failover import NodeView, after_load_failure
 from ..cache.prefetch import prefetch_plan
@@ -57,6 +58,7 @@ class WeightControl:
     def on_load_failed(self, agent_id: str, failed: LoadFailed) -> None:
         """Weights would not load on `agent_id`: start the replica on another node, or leave it failed."""
         fleet = self.fleet
+        metrics.WEIGHT_LOAD_FAILURES.labels(failed.model, failed.reason).inc()
         if not failed.replica_id:
             log.warning("prefetch of %s on %s failed (%s): %s", failed.model, agent_id, failed.reason, failed.detail)
             return
