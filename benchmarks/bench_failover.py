@@ -3,7 +3,8 @@ requests sent vs completed across it (completed must equal sent).
 
     sudo python benchmarks/bench_failover.py [--rounds 3] [--heartbeat 2s] [--workers 4] [--replace]
 
-Brings tests/slurm/cluster.sh up (root), submits the real exaserve job (4 nodes, echo replicas),
+Brings tests/slurm/cluster.sh up (root; one network and mount namespace per node, GRES GPUs, cgroups),
+submits the real exaserve job (4 nodes, echo replicas),
 drives a steady request stream through the gateway and kills one node (never rank 0's n1); each
 round is a fresh job on a whole cluster. Prints one line per round plus medians.
 
@@ -20,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,15 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 
 from fleet import (  # noqa: E402
-    SLURM_DIR, RequestStream, cluster, echo_site, kill_and_watch, kill_and_watch_replacement, replacement_site, submit,
-    wait_serving,
+    SLURM_DIR, RequestStream, cluster, echo_site, kill_and_watch, kill_and_watch_replacement, remove_shared_dir,
+    replacement_site, shared_dir, submit, wait_serving,
 )
 
 
 def replace_rounds(args) -> int:
     results = []
     for round_ in range(args.rounds):
-        directory = Path(tempfile.mkdtemp(prefix="bench-replace-"))
+        directory = shared_dir("bench-replace")  # every node sees it (their /tmp is their own)
         site = replacement_site(directory, replicas=3, heartbeat=args.heartbeat, misses=args.misses)
         cluster("up")
         job = submit(site, directory / "jobs", nodes=3, launcher_args="--replace-lost-nodes --capacity-floor 0")
@@ -53,6 +53,7 @@ def replace_rounds(args) -> int:
             subprocess.run(["scancel", f"--name=exaserve-replace-{job.job_id}"], capture_output=True)
             if node:
                 cluster("revive-node", node, check=False)
+            remove_shared_dir(directory)
         results.append(timings)
         print(f"round {round_ + 1}: job {job.job_id}, killed {node}: {timings.report()}", flush=True)
     if not results or not all(r.restored_at for r in results):
@@ -85,7 +86,7 @@ def main() -> int:
     results = []
     for round_ in range(args.rounds):
         node = ("n3", "n4", "n2")[round_ % 3]
-        directory = Path(tempfile.mkdtemp(prefix="bench-failover-"))
+        directory = shared_dir("bench-failover")
         site = echo_site(directory, replicas=args.replicas, heartbeat=args.heartbeat, misses=args.misses)
         cluster("up")  # every node back (ReturnToService=2) before each round's fresh job
         job = submit(site, directory / "jobs", nodes=4)
@@ -97,6 +98,7 @@ def main() -> int:
         finally:
             job.cancel()
             cluster("revive-node", node, check=False)
+            remove_shared_dir(directory)
         results.append(timings)
         failed = stream.failed
         print(f"round {round_ + 1}: job {job.job_id}, killed {node}: {timings.report()}"
