@@ -220,22 +220,29 @@ def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_
          site.cluster.hostnames()[0], "--heartbeat", "0.3", "--l2-dir", str(tmp_path / "l2"), "--gpus-per-node", "4",
          "--memory-pool", "1GiB"], env={**clean, **STEP}, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        # Status lags the processes by a heartbeat: a replica restarted under load may show its old pid
+        # for a moment. Compare once every replica runs; a persistent difference fails at the deadline.
+        deadline = time.monotonic() + 120
         while True:
             while backend.poll(0):
                 backend.recv_multipart()
-            replicas = controller.status()["replicas"]
+            status = controller.status()
+            replicas, held = status.get("replicas", []), {}  # none while the controller is busy
             if len(replicas) == 3 and all(r["pid"] and r["devices"] for r in replicas):
-                break
-            assert time.monotonic() < deadline and agent.poll() is None, (replicas, agent.poll())
+                try:
+                    held = {r["replica_id"]: environ_of(r["pid"])["CUDA_VISIBLE_DEVICES"].split(",")
+                            for r in replicas}
+                except OSError:  # that process is gone: a newer one will be reported
+                    held = {}
+                if held == {r["replica_id"]: r["devices"] for r in replicas}:
+                    break
+            assert time.monotonic() < deadline and agent.poll() is None, (replicas, held, agent.poll())
             time.sleep(0.2)
-        for r in replicas:
-            assert environ_of(r["pid"])["CUDA_VISIBLE_DEVICES"].split(",") == r["devices"], r
-            assert set(r["devices"]) <= {"0", "1", "2", "3"}
+        assert all(set(r["devices"]) <= {"0", "1", "2", "3"} for r in replicas), replicas
         console = Console(file=io.StringIO(), width=250)
         cli.out, saved = console, cli.out
         try:
-            cli.render_status(controller.status(), "http://test")
+            cli.render_status(status, "http://test")
         finally:
             cli.out = saved
         rows = [line for line in console.file.getvalue().splitlines() if "tiny-llama/r000" in line]
