@@ -62,6 +62,13 @@ def running_server_url(args: argparse.Namespace) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     url = running_server_url(args)
+    if args.watch:  # a live view (observability/watch.py)
+        from .observability.watch import watch
+
+        def fetch() -> dict:
+            with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
+                return json.load(response)
+        return watch(fetch, url, interval=args.interval, count=args.count, console=out)
     try:
         with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
             status = json.load(response)
@@ -206,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run-dir")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--watch", action="store_true",
+                        help="live view: nodes, models, busiest replicas, load and alerts, refreshed until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between refreshes (default 2)")
+    status.add_argument("--count", type=int, help="--watch: stop after this many refreshes")
     status.set_defaults(func=cmd_status)
 
     config = commands.add_parser("config", help="check or show site configs")
