@@ -197,6 +197,8 @@ class ControlPlane:
         self._checkpointed = threading.Lock()
         self._checkpoint_done = False
         self.stopping = False
+        self.failure = ""  # why the plane stopped by itself, if it did: run() then returns 1
+        self._stop_asked = False
         self.server = None
         try:
             self._build()
@@ -282,6 +284,7 @@ class ControlPlane:
             self.agent_process = start_agent_process(endpoint, s.node, site)
             self.agent_thread = None
             self._closers.append(self.agent_process.kill)
+            threading.Thread(target=self._watch_agent_process, name="exaserve-agent-watch", daemon=True).start()
             return
         from .agent.gpu_binding import GpuGrantError
         from .agent.node_agent import NodeAgent, default_l2_root
@@ -299,6 +302,15 @@ class ControlPlane:
         self.agent_process = None
         self.agent_thread = threading.Thread(target=agent.run, name="exaserve-agent-rank0", daemon=True)
         self.agent_thread.start()
+
+    def _watch_agent_process(self) -> None:
+        """This node's only agent exiting on its own (it refused the node's GPU grant, it crashed) leaves
+        nothing to serve with: stop, and exit 1, rather than wait for replicas that cannot come."""
+        code = self.agent_process.wait()
+        if not self.stopping:
+            self.failure = f"this node's agent exited with status {code} (its message is above)"
+            log.error("%s; stopping", self.failure)
+            self.request_stop(self.failure)
 
     def _app(self):
         from .router.admin_api import serving_admin_routes
@@ -320,6 +332,7 @@ class ControlPlane:
     def request_stop(self, why: str) -> None:
         """End run() gracefully from any thread (a requeue handed to a successor, a stop file)."""
         print(f"exaserve: stopping: {why}", flush=True)
+        self._stop_asked = True
         if self.server is not None:
             self.server.should_exit = True
 
@@ -342,12 +355,14 @@ class ControlPlane:
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      timeout_graceful_shutdown=10, access_log=False)
+        if self._stop_asked:  # asked before the gateway existed
+            self.server.should_exit = True
         try:
             self.server.run(sockets=[self.listener])
         finally:
             self.shutdown()
             state_file.unlink(missing_ok=True)
-        return 0
+        return 1 if self.failure else 0
 
     def shutdown(self) -> None:
         """The one shutdown order (see the module's docstring)."""

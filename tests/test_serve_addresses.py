@@ -48,3 +48,14 @@ def test_a_wildcard_gateway_publishes_the_nodes_address(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, "".join(lines)
+
+
+def test_a_node_granted_fewer_gpus_than_the_site_asks_stops_serve_with_the_agents_message(tmp_path):
+    import os
+    site_file = write_local_site(tmp_path, cluster={"gpus_per_node": 2, "gpu_memory": "80GiB"})
+    env = {**os.environ, "SLURM_STEP_GPUS": "0"}  # the step was granted one GPU
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
+                             "--port", "0"], capture_output=True, text=True, timeout=90, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "cluster.gpus_per_node" in output and "agent exited with status 2" in output
