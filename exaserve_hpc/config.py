@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .engine.registry import ENGINE_NAMES, unavailable_engines
+from .engine.registry import ENGINE_NAMES, engine_publishes_kv_events, unavailable_engines
 from .router.policies import POLICY_NAMES
 from .slurm.hostlist import expand_hostlist
 from .units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
@@ -320,11 +320,16 @@ class SiteConfig(_Section):
         return model.max_batch_size or self.batching.max_batch_size
 
     def engine_warnings(self) -> list[str]:
-        """Models whose engine's package does not import on this machine: warnings, not errors (the
-        compute nodes may well have what a login node lacks)."""
+        """Warnings, not errors: models whose engine's package does not import on this machine (the compute
+        nodes may well have what a login node lacks), and, in precise prefix mode, engines without KV events."""
         missing = unavailable_engines([m.engine for m in self.models])
-        return [f"models[{i}].engine: {missing[m.engine]} (model {m.model_name})"
-                for i, m in enumerate(self.models) if m.engine in missing]
+        warnings = [f"models[{i}].engine: {missing[m.engine]} (model {m.model_name})"
+                    for i, m in enumerate(self.models) if m.engine in missing]
+        if self.router.policy == "prefix_affinity" and self.router.prefix_mode == "precise":
+            warnings += [f"models[{i}].engine: {m.engine} publishes no KV events, so router.prefix_mode precise "
+                         f"routes model {m.model_name} by load only" for i, m in enumerate(self.models)
+                         if not engine_publishes_kv_events(m.engine)]
+        return warnings
 
     @property
     def run_path(self) -> Path:

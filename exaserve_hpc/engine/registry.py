@@ -169,6 +169,10 @@ def build_engine(replica: "StartReplica", weights: Weights = None, **extra) -> "
     return spec.build(replica, weights, **extra)
 
 
+def engine_publishes_kv_events(name: str) -> bool:
+    return engine_spec(name).kv_events
+
+
 def unavailable_engines(engines: list[str]) -> dict[str, str]:
     """Engine name -> why this machine cannot run it, for the named engines that cannot run here."""
     return {name: ENGINES[name].missing_package_message() for name in dict.fromkeys(engines)

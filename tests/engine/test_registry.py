@@ -101,3 +101,13 @@ def test_a_replica_publishes_kv_events_where_its_router_can_subscribe(monkeypatc
     monkeypatch.setattr("socket.getfqdn", lambda: "node3.cluster")
     assert kv_events_announced("tcp://0.0.0.0:41234") == "tcp://node3.cluster:41234"
     assert kv_events_announced("tcp://127.0.0.1:41234") == "tcp://127.0.0.1:41234"
+
+
+def test_config_check_warns_when_precise_mode_meets_an_engine_without_kv_events():
+    from exaserve_hpc.config import parse_site
+    site = parse_site({"site": "x", "router": {"policy": "prefix_affinity", "prefix_mode": "precise"},
+                       "models": [{"model_name": "a", "engine": "reference"}, {"model_name": "b", "engine": "echo"}]})
+    assert site.engine_warnings() == ["models[1].engine: echo publishes no KV events, so router.prefix_mode precise "
+                                      "routes model b by load only"]
+    approximate = parse_site({"site": "x", "models": [{"model_name": "b", "engine": "echo"}]})
+    assert approximate.engine_warnings() == []
