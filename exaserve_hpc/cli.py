@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import urllib.error
@@ -197,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"exaserve-hpc {__version__}")
     parser.add_argument("--log-level", default=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default=os.environ.get("EXASERVE_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="text, or json: one JSON object a line with the request id where known "
+                             "(default $EXASERVE_LOG_FORMAT or text)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     site_help = "site name (looked up in site-configs/) or YAML path; default $EXASERVE_SITE or local"
 
@@ -276,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ["EXASERVE_LOG_LEVEL"] = args.log_level  # children (agent, replicas) inherit it
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ["EXASERVE_LOG_FORMAT"] = args.log_format
+    from .observability.logs import configure_logging
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except ConfigError as exc:

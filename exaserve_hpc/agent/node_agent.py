@@ -451,8 +451,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
                         help="the memory pool's block size")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s agent %(levelname)s %(message)s")
+    from ..observability.logs import configure_logging
+    configure_logging(text_format="%(asctime)s agent %(levelname)s %(message)s")  # EXASERVE_LOG_LEVEL/_FORMAT
     if args.die_with_parent:
         die_with_parent()
     try:

@@ -342,8 +342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--weights-dir", help="L2 entry (or L3 checkpoint) to load; default: the spec's model_dir")
     parser.add_argument("--weights-source", choices=("l2", "l3"), default="l3")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("EXASERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s replica %(levelname)s %(message)s")
+    from ..observability.logs import configure_logging
+    configure_logging(text_format="%(asctime)s replica %(levelname)s %(message)s")  # EXASERVE_LOG_LEVEL/_FORMAT
     die_with_parent()
     spec = decode(bytes.fromhex(args.spec))
     if not isinstance(spec, StartReplica):

@@ -381,7 +381,8 @@ class Dispatcher:
                 request_id=entry.request.request_id, token_ids=[], finished=True, finish_reason="length",
                 prompt_tokens=len(entry.request.prompt_token_ids), completion_tokens=len(entry.sent_tokens)))]
         self.counters["retries"] += 1
-        log.info("retrying %s after %d token(s): %s", entry.request.request_id, len(entry.sent_tokens), cause)
+        log.info("retrying %s after %d token(s): %s", entry.request.request_id, len(entry.sent_tokens), cause,
+                 extra={"request_id": entry.request.request_id})
         return out + self._dispatch(entry, now)
 
     def _fail(self, entry: Inflight, status: int, code: str, message: str, release: bool = True) -> list[Outgoing]:

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from exaserve_hpc import metrics
 from exaserve_hpc.config import SiteConfig
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
+from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router import openai_api as api
 from exaserve_hpc.router.policies import policy_class
@@ -146,6 +147,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             quota_group=group, prefix_hashes=hasher(prompt_ids) if hasher else [],
             prefix_scheme=hasher.scheme if hasher else "")
         rid = gen_request.request_id
+        logs.REQUEST_ID.set(rid)  # this task's log lines carry it (--log-format json)
         try:
             gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived)
         except Exception as exc:  # a backend whose stream() fails before returning a generator
@@ -174,6 +176,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         finally:
             if not streaming:
                 await gen.close()
+            log.debug("request %s (%s, group %s): %d prompt tokens, %s", rid, model.name, group, len(prompt_ids),
+                      "streaming" if streaming else f"{gen.completion_tokens} completion tokens")
 
     @app.post("/v1/completions", response_model=None, summary="Complete a text prompt")
     async def completions(body: api.CompletionRequest, request: Request,
