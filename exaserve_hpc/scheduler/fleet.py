@@ -32,7 +32,8 @@ from typing import Callable, Optional
 
 from ..agent.lifecycle import ReplicaState
 from ..config import SiteConfig
-from ..protocol import EngineSettings, StartReplica, StopReplica
+from ..engine.registry import engine_settings, engine_spec
+from ..protocol import StartReplica, StopReplica
 from ..topology import Topology
 from .catalogue import catalogue_from_site
 from .fleet_state import AgentRecord, ReplicaRecord, desired_replicas
@@ -42,7 +43,10 @@ from .plan import Assignment, Plan, replica_id, replica_index
 
 log = logging.getLogger("exaserve.controller")
 
-SNAPSHOT_ENGINES = ("reference",)  # engines whose prefix cache engine/kv_snapshot.py can write and load
+
+def keeps_kv_snapshots(model) -> bool:
+    """Whether a move of this model's replica can carry its prefix cache (engine/kv_snapshot.py)."""
+    return engine_spec(model.engine).kv_snapshots and model.enable_prefix_caching and model.pipeline_parallel == 1
 
 
 class ReplicaIds:
@@ -205,14 +209,8 @@ class Fleet:
         a = record.assignment
         assert a is not None, f"{record.replica_id} has no assignment"
         model = self.site.model(record.model)
-        batching = self.site.batching
-        settings = EngineSettings(
-            engine=model.engine, max_batch_size=self.site.max_batch_size(model), max_seq_len=model.max_seq_len,
-            max_wait_ms=batching.max_wait_ms, prefill_batch_size=batching.prefill_batch_size,
-            decode_batch_size=batching.decode_batch_size, chunked_prefill=batching.chunked_prefill,
-            prefill_chunk_tokens=batching.prefill_chunk_tokens, enable_prefix_caching=model.enable_prefix_caching,
-            kv_cache_dtype=model.kv_cache_dtype)
-        snapshots = model.engine in SNAPSHOT_ENGINES and model.enable_prefix_caching
+        settings = engine_settings(self.site, model)
+        snapshots = keeps_kv_snapshots(model)
         specs = []
         for k, stage in enumerate(a.stages):
             specs.append((stage.node, StartReplica(

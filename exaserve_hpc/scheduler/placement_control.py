@@ -36,7 +36,7 @@ from typing import Optional
 
 from ..agent.lifecycle import ReplicaState
 from .failover import failover
-from .fleet import SNAPSHOT_ENGINES, Fleet
+from .fleet import Fleet, keeps_kv_snapshots
 from .fleet_state import ReplicaRecord
 from .invariants import plan_violations
 from .live_placement import held_plan, place_pending
@@ -168,7 +168,7 @@ class PlacementControl:
         log.warning("replica %s stopped by %s without being asked (%s); moving it", record.replica_id, node, detail)
         fleet.unplace(record, f"its node {node} stopped it ({detail}); moving it", avoid=[node])
         model = fleet.site.model(record.model)
-        if model.engine in SNAPSHOT_ENGINES and model.enable_prefix_caching:
+        if keeps_kv_snapshots(model):
             record.kv_snapshot_in = fleet.kv_snapshot_path(record.replica_id)  # written as it drained
         self._dirty = True
         self.place()
@@ -236,7 +236,7 @@ class PlacementControl:
         assignment = replace(start, replica_id=rid)
         model = fleet.site.model(old.model)
         others = [r for r in fleet.active(old.model) if r.serving and r.replica_id != old.replica_id]
-        keeps_cache = model.engine in (SNAPSHOT_ENGINES) and model.enable_prefix_caching and others
+        keeps_cache = keeps_kv_snapshots(model) and others
         record = ReplicaRecord(rid, old.model, version=old.version, assignment=assignment)
         fleet.replicas[rid] = record
         if keeps_cache:
