@@ -252,7 +252,9 @@ class RouterConfig(_Section):
 
 
 class GatewayConfig(_Section):
-    host: str = "127.0.0.1"
+    # None: loopback under `exaserve serve`; under `exaserve launch` the node's own address (what its
+    # name resolves to), so a login node reaches it. A wildcard listens everywhere, published as that address
+    host: Optional[str] = None
     interface: Optional[str] = None  # an interface name (ib0, eth0) or a local address; overrides host
     port: int = Field(8000, ge=0, le=65535)  # 0: any free port, published in the job directory
     max_queued_requests: int = Field(1024, ge=1)  # beyond this: 429 with Retry-After
