@@ -63,6 +63,20 @@ def _number(value: Any) -> Optional[int]:
     return None if value is None else int(value)
 
 
+def script_exclusions(script: str) -> list[str]:
+    """Nodes a batch script's own `#SBATCH --exclude=` / `-x` directives exclude."""
+    from ..slurm.hostlist import expand_hostlist
+    nodes: list[str] = []
+    for line in script.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "#SBATCH":
+            if words[1].startswith("--exclude="):
+                nodes += expand_hostlist(words[1].split("=", 1)[1])
+            elif words[1] == "-x" and len(words) >= 3:
+                nodes += expand_hostlist(words[2])
+    return nodes
+
+
 def successor_script(script: str, resume_dir: Path) -> str:
     """The batch script with EXASERVE_RESUME_DIR exported before its first command."""
     lines = script.splitlines()
@@ -131,8 +145,10 @@ class SlurmJobEnvironment(JobEnvironment):
                 self.client.requeue(job)  # ends this run; the same job comes back from the queue
                 return RequeueOutcome("requeued", str(job), f"job {job} requeued")
             script = Path(job_dir) / "successor.sbatch"
-            script.write_text(successor_script(self.client.batch_script(job), Path(job_dir)))
-            hosts = compress_hostlist(list(exclude))
+            text = self.client.batch_script(job)
+            script.write_text(successor_script(text, Path(job_dir)))
+            # --exclude on the command line replaces the script's own: keep what it excluded too
+            hosts = compress_hostlist(sorted(set(exclude) | set(script_exclusions(text))))
             successor = self.client.submit(script, [f"--dependency=afterany:{job}", f"--exclude={hosts}"])
         except SlurmError as exc:
             raise JobEnvError(f"requeue of job {job} failed: {exc}") from exc

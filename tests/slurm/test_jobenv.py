@@ -101,8 +101,8 @@ def test_slurm_requeue_with_exclusion_submits_a_successor_after_this_job(tmp_pat
                      "sbatch": CommandResult(0, "6\n", "")})
     outcome = slurm_job(runner).requeue(["n3", "n4"], tmp_path)
     assert runner.calls[0] == ["scontrol", "write", "batch_script", "5", "-"]
-    assert runner.calls[1] == ["sbatch", "--parsable", "--dependency=afterany:5", "--exclude=n[3-4]",
-                               str(tmp_path / "successor.sbatch")]
+    assert runner.calls[1] == ["sbatch", "--parsable", "--dependency=afterany:5", "--exclude=n[3-4,9]",
+                               str(tmp_path / "successor.sbatch")]  # the script's own n9 kept
     assert (outcome.how, outcome.job_id, outcome.stop_now) == ("successor", "6", True)
     text = (tmp_path / "successor.sbatch").read_text().splitlines()
     at = text.index(next(line for line in text if line.startswith(f"export {RESUME_VARIABLE}=")))
