@@ -35,7 +35,8 @@ def synthetic_fleet(replicas: int, nodes: int, gpus: int, models: int = 8) -> Fl
                        "serving", restarts=i % 3, routed=True, queue_depth=i % 25, inflight=i % 17, running=i % 32,
                        kv_used=(i % 100) / 100, latency_ewma_ms=40.0 + i % 50, requests_finished=1000 + i,
                        tokens_generated=100_000 + 7 * i, prefix_hit_tokens=500 * i, prefix_query_tokens=900 * i + 1,
-                       kv_blocks_cached=i % 400)
+                       kv_blocks_cached=i % 400, ttft_ms=(80.0 + i % 40, 400.0 + i % 90),
+                       tpot_ms=(20.0 + i % 7, 45.0 + i % 11))
         for i in range(replicas))
     node_readings = tuple(
         NodeReading(f"node{n:03d}", lost=False, heartbeat_age=0.5 + (n % 5) / 10, host_memory_used=(1 << 40) // 3,

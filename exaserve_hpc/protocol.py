@@ -97,6 +97,11 @@ class ReplicaStats(_Msg, tag="stats"):
     prefix_hit_tokens: int = 0    # prompt tokens served from the prefix cache, total
     prefix_query_tokens: int = 0  # prompt tokens looked up in it, total
     kv_blocks_cached: int = 0     # free KV blocks holding a reusable prefix
+    # Over the engine's most recent requests (engine/latency_stats.py), milliseconds; 0: none measured yet.
+    ttft_ms_p50: float = 0.0
+    ttft_ms_p99: float = 0.0
+    tpot_ms_p50: float = 0.0
+    tpot_ms_p99: float = 0.0
 
 
 class ReplicaBye(_Msg, tag="bye"):

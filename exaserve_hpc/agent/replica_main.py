@@ -287,6 +287,7 @@ class ReplicaServer:
 
     def _send_stats(self) -> None:
         stats = self.engine.stats()
+        ttft, tpot = stats.get("ttft_ms") or {}, stats.get("tpot_ms") or {}  # engines without latency stats: {}
         self._send(ReplicaStats(
             replica_id=self.spec.replica_id, queue_depth=int(stats.get("queue_depth", 0)),
             running=int(stats.get("running", 0)), kv_used=float(stats.get("kv_used", 0.0)),
@@ -294,7 +295,9 @@ class ReplicaServer:
             requests_finished=int(stats.get("requests_finished", 0)),
             prefix_hit_tokens=int(stats.get("prefix_hit_tokens", 0)),
             prefix_query_tokens=int(stats.get("prefix_query_tokens", 0)),
-            kv_blocks_cached=int(stats.get("kv_blocks_cached", 0))))
+            kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)),
+            ttft_ms_p50=float(ttft.get("p50", 0.0)), ttft_ms_p99=float(ttft.get("p99", 0.0)),
+            tpot_ms_p50=float(tpot.get("p50", 0.0)), tpot_ms_p99=float(tpot.get("p99", 0.0))))
 
     def _finish_drain(self) -> None:
         for rid in list(self._running_ids):  # drain timed out: hand these back for retry elsewhere

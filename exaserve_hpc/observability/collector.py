@@ -23,6 +23,10 @@ per replica, labels {replica, model, node}; ``*`` = only while the router serves
   exaserve_replica_latency_seconds*          its engine's moving average of request latency
   exaserve_replica_requests_finished_total*  rate() = the replica's QPS
   exaserve_replica_generated_tokens_total*   rate() = its tokens per second
+  exaserve_replica_time_to_first_token_seconds{quantile}*, exaserve_replica_time_per_output_token_seconds
+                                             {quantile}*: p50 and p99 over its engine's recent requests
+                                             (engines that measure latency; the gateway's histograms of
+                                             the same, per model, are in metrics.py)
   exaserve_replica_breaker_state{state}*     1 for the router's circuit breaker state (closed/open/half_open)
   exaserve_replica_draining*                 1 while the router sends it nothing new
 per model {model}: exaserve_replicas{state}, exaserve_model_replicas_serving, _target, _min,
@@ -40,10 +44,10 @@ cluster: exaserve_nodes{state}, exaserve_router_requests_total{outcome}, exaserv
 Events counted where they happen (failovers, evictions, weight-load failures and durations, quota
 refusals, per-token latency) are plain counters and histograms in exaserve_hpc/metrics.py.
 
-Cardinality, bounded by the fleet, never by clients: a served replica is 15 series, a placed one not yet
-serving 2; a node is 12 series plus 5 per GPU (52 with 8 GPUs); a model about 15; the cluster about 30.
-At the target scale (3,072 replicas on 256 nodes of 8 GPUs) that is about 46,000 + 13,300 = 59,500
-series: benchmarks/bench_metrics_scrape.py measures one scrape of such a fleet (about 6 MB of text; the
+Cardinality, bounded by the fleet, never by clients: a served replica is 19 series (15 where its engine
+measures no latency), a placed one not yet serving 2; a node is 12 series plus 5 per GPU (52 with 8 GPUs);
+a model about 15; the cluster about 30. At the target scale (3,072 replicas on 256 nodes of 8 GPUs)
+that is about 58,400 + 13,300 = 71,700 series: benchmarks/bench_metrics_scrape.py measures one scrape of such a fleet (about 6 MB of text; the
 README's benchmarks table has its time). Replica ids are never reused, so a replaced replica's series
 end and its successor's begin: Prometheus sees churn proportional to failovers, not to traffic.
 """
@@ -104,6 +108,12 @@ def _replica_families(fleet: FleetReadings) -> list:
     finished = _counter("exaserve_replica_requests_finished", "Requests the replica finished (rate: its QPS).",
                         REPLICA)
     tokens = _counter("exaserve_replica_generated_tokens", "Tokens the replica generated.", REPLICA)
+    ttft = _gauge("exaserve_replica_time_to_first_token_seconds",
+                  "The replica engine's time to first token over its recent requests, by quantile.",
+                  REPLICA + ["quantile"])
+    tpot = _gauge("exaserve_replica_time_per_output_token_seconds",
+                  "The replica engine's time per output token over its recent requests, by quantile.",
+                  REPLICA + ["quantile"])
     breaker = _gauge("exaserve_replica_breaker_state", "1 for the router's circuit breaker state of the replica.",
                      REPLICA + ["state"])
     draining = _gauge("exaserve_replica_draining", "1 while the router sends the replica nothing new.", REPLICA)
@@ -125,10 +135,14 @@ def _replica_families(fleet: FleetReadings) -> list:
         latency.add_metric(labels, r.latency_ewma_ms / 1000.0)
         finished.add_metric(labels, r.requests_finished)
         tokens.add_metric(labels, r.tokens_generated)
+        for family, (p50, p99) in ((ttft, r.ttft_ms), (tpot, r.tpot_ms)):
+            if p50 > 0 or p99 > 0:  # engines that measure no latency (echo) report none
+                family.add_metric(labels + ["0.5"], p50 / 1000.0)
+                family.add_metric(labels + ["0.99"], p99 / 1000.0)
         breaker.add_metric(labels + [r.breaker], 1)
         draining.add_metric(labels, 1 if r.draining else 0)
     return [state, restarts, queue, inflight, batch, kv_used, hit_rate, hits, queries, cached, latency, finished,
-            tokens, breaker, draining]
+            tokens, ttft, tpot, breaker, draining]
 
 
 def _model_families(fleet: FleetReadings) -> list:
@@ -304,7 +318,8 @@ def sample_fleet() -> FleetReadings:
     a node with a GPU, a checkpoint keeper): what `exported_names` renders."""
     from .readings import CheckpointReading, GpuReading, ModelReading, NodeReading, ReplicaReading
     return FleetReadings(
-        (ReplicaReading("m/r0000", "m", "n1", "serving", routed=True, prefix_query_tokens=1),
+        (ReplicaReading("m/r0000", "m", "n1", "serving", routed=True, prefix_query_tokens=1, ttft_ms=(1.0, 2.0),
+                        tpot_ms=(1.0, 2.0)),
          ReplicaReading("m/r0001", "m", "", "pending")),
         (NodeReading("n1", False, 0.1, gpus=(GpuReading(0, 1, 0, 0.0, 0.0, 0.0),)),),
         (ModelReading("m", 1, 2, 1),), {"routing": {"least_load": 1}}, checkpoint=CheckpointReading(0.0, 1.0, 0))

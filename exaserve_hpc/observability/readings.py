@@ -34,6 +34,8 @@ class ReplicaReading:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     kv_blocks_cached: int = 0
+    ttft_ms: tuple[float, float] = (0.0, 0.0)  # its engine's p50, p99 over recent requests; 0: not measured
+    tpot_ms: tuple[float, float] = (0.0, 0.0)
     breaker: str = "closed"        # closed | open | half_open
     draining: bool = False
 
@@ -148,6 +150,8 @@ def _replica(rid: str, model: str, node: str, state: str, restarts: int, routed:
         prefix_hit_tokens=int(routed.get("prefix_hit_tokens", 0)),
         prefix_query_tokens=int(routed.get("prefix_query_tokens", 0)),
         kv_blocks_cached=int(routed.get("kv_blocks_cached", 0)),
+        ttft_ms=(float(routed.get("ttft_ms_p50", 0.0)), float(routed.get("ttft_ms_p99", 0.0))),
+        tpot_ms=(float(routed.get("tpot_ms_p50", 0.0)), float(routed.get("tpot_ms_p99", 0.0))),
         breaker=str(routed.get("breaker", "closed")), draining=bool(routed.get("draining", False)))
 
 

@@ -99,6 +99,7 @@ class Dispatcher:
             entry.kv_blocks_cached = message.kv_blocks_cached
             entry.running, entry.requests_finished = message.running, message.requests_finished
             entry.tokens_generated = message.tokens_generated
+            entry.latency_ms = (message.ttft_ms_p50, message.ttft_ms_p99, message.tpot_ms_p50, message.tpot_ms_p99)
             for pool in self._pools_of(entry):
                 pool.set_latency(entry.load, message.latency_ewma_ms)
             return []
@@ -210,7 +211,9 @@ class Dispatcher:
                  "prefix_hit_tokens": e.prefix_hit_tokens, "prefix_query_tokens": e.prefix_query_tokens,
                  "kv_blocks_cached": e.kv_blocks_cached, "kv_used": e.load.kv_used,
                  "latency_ewma_ms": e.load.latency_ewma_ms, "running": e.running,
-                 "requests_finished": e.requests_finished, "tokens_generated": e.tokens_generated}
+                 "requests_finished": e.requests_finished, "tokens_generated": e.tokens_generated,
+                 "ttft_ms_p50": e.latency_ms[0], "ttft_ms_p99": e.latency_ms[1], "tpot_ms_p50": e.latency_ms[2],
+                 "tpot_ms_p99": e.latency_ms[3]}
                 for rid, e in sorted(self.replicas.items())
             ],
             # Over the replicas in rotation, as their engines report them: the fleet's prefix-cache hit rate.

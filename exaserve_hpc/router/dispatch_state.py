@@ -39,6 +39,7 @@ class ReplicaEntry:
     running: int = 0  # sequences in its running batch, and its totals since it started (for /metrics)
     requests_finished: int = 0
     tokens_generated: int = 0
+    latency_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # TTFT p50, p99, TPOT p50, p99
 
 
 @dataclass

@@ -92,7 +92,8 @@ def test_replica_and_node_figures_are_what_heartbeats_and_stats_carried(fleet):
                                                              max_batch_size=16, max_seq_len=2048, node="n1"), 1.0)
     dispatcher.on_replica_message("tiny/r0000", ReplicaStats(
         replica_id="tiny/r0000", queue_depth=7, running=3, kv_used=0.25, latency_ewma_ms=120.0, tokens_generated=900,
-        requests_finished=11, prefix_hit_tokens=30, prefix_query_tokens=40, kv_blocks_cached=5), 1.5)
+        requests_finished=11, prefix_hit_tokens=30, prefix_query_tokens=40, kv_blocks_cached=5, ttft_ms_p50=80.0,
+        ttft_ms_p99=300.0, tpot_ms_p50=20.0, tpot_ms_p99=40.0), 1.5)
     s = scrape()
     r0 = {"replica": "tiny/r0000", "model": "tiny", "node": "n1"}
     assert value(s, "exaserve_replica_queue_depth", **r0) == 7
@@ -102,6 +103,8 @@ def test_replica_and_node_figures_are_what_heartbeats_and_stats_carried(fleet):
     assert value(s, "exaserve_replica_latency_seconds", **r0) == pytest.approx(0.12)
     assert value(s, "exaserve_replica_requests_finished_total", **r0) == 11
     assert value(s, "exaserve_replica_generated_tokens_total", **r0) == 900
+    assert value(s, "exaserve_replica_time_to_first_token_seconds", quantile="0.99", **r0) == pytest.approx(0.3)
+    assert value(s, "exaserve_replica_time_per_output_token_seconds", quantile="0.5", **r0) == pytest.approx(0.02)
     assert value(s, "exaserve_replica_breaker_state", state="closed", **r0) == 1
     assert value(s, "exaserve_replica_state", state="serving", **r0) == 1
     # The other replica is placed but not registered with the router: a state, no engine figures.
@@ -169,4 +172,4 @@ def test_an_idle_replica_has_no_hit_rate_and_only_served_replicas_have_engine_se
     assert len(names["exaserve_replica_queue_depth"].samples) == 1
     per_replica = sum(len(f.samples) for f in families(sample_fleet()) if "replica" in
                       (f.samples[0].labels if f.samples else {}))
-    assert per_replica == 15 + 2  # the module docstring's count: 15 series per served replica, 2 per placed one
+    assert per_replica == 19 + 2  # the module docstring's count: 19 series per served replica, 2 per placed one

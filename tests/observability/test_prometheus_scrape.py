@@ -111,22 +111,25 @@ def test_prometheus_sees_every_replica_and_fires_when_one_stalls(tmp_path):
                  60, prom_logs)
         wait_for("each replica's hit rate in Prometheus", lambda: per_replica("exaserve_kv_cache_hit_rate"), 30,
                  prom_logs)
+        # The engines' own latency percentiles travel with their stats reports to the router.
+        wait_for("each replica's TTFT p99 in Prometheus",
+                 lambda: per_replica('exaserve_replica_time_to_first_token_seconds{quantile="0.99"} > 0'), 30,
+                 prom_logs)
         up = query(prom, 'up{job="exaserve"}')
         assert up and up[0]["value"][1] == "1"
-        assert not [a for a in get_json(f"{prom}/api/v1/alerts")["data"]["alerts"]
-                    if a["labels"]["alertname"] == "ReplicaNotReporting"]
-
         victim = sorted(replicas)[0]
-        stopped_pid = replicas[victim]["pid"]
-        os.kill(stopped_pid, signal.SIGSTOP)
 
         def firing():
             alerts = get_json(f"{prom}/api/v1/alerts")["data"]["alerts"]
-            return [a for a in alerts if a["labels"]["alertname"] == "ReplicaNotReporting" and a["state"] == "firing"]
+            return [a for a in alerts if a["labels"]["alertname"] == "ReplicaNotReporting"
+                    and a["labels"]["replica"] == victim and a["state"] == "firing"]
 
-        alerts = wait_for("ReplicaNotReporting firing", firing, 60, prom_logs)
-        assert [a["labels"]["replica"] for a in alerts] == [victim]
-        assert alerts[0]["labels"]["severity"] == "warning"
+        assert not firing()
+        stopped_pid = replicas[victim]["pid"]
+        os.kill(stopped_pid, signal.SIGSTOP)
+        # (On a loaded machine the other replica may miss a stats report too; the victim's alert is the point.)
+        alerts = wait_for(f"ReplicaNotReporting firing for {victim}", firing, 60, prom_logs)
+        assert alerts[0]["labels"]["severity"] == "warning" and alerts[0]["labels"]["node"]
     finally:
         if stopped_pid:
             os.kill(stopped_pid, signal.SIGCONT)
