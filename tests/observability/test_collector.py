@@ -173,3 +173,30 @@ def test_an_idle_replica_has_no_hit_rate_and_only_served_replicas_have_engine_se
     per_replica = sum(len(f.samples) for f in families(sample_fleet()) if "replica" in
                       (f.samples[0].labels if f.samples else {}))
     assert per_replica == 19 + 2  # the module docstring's count: 19 series per served replica, 2 per placed one
+
+
+def test_the_fast_text_writer_says_what_prometheus_client_says():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exaserve_hpc.observability.collector import render_text
+    from exaserve_hpc.observability.readings import NodeReading
+    odd = ReplicaReading('m/r"0\\1\n', "m", "n1", "serving", routed=True, prefix_query_tokens=3,
+                         prefix_hit_tokens=1)  # label values that need escaping
+    fleet = sample_fleet()
+    fleet = FleetReadings(fleet.replicas + (odd,), fleet.nodes + (NodeReading("n2", True, 1e12),), fleet.models,
+                          fleet.router, checkpoint=fleet.checkpoint)
+
+    class Fixed:
+        def collect(self):
+            return families(fleet)
+
+    registry = CollectorRegistry()
+    registry.register(Fixed())
+
+    def parsed(text: bytes):
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for f in text_string_to_metric_families(text.decode()) for s in f.samples)
+
+    assert parsed(render_text(families(fleet))) == parsed(generate_latest(registry))
+    assert ("exaserve_kv_cache_hit_rate", (("model", "m"), ("node", "n1"), ("replica", 'm/r"0\\1\n')),
+            pytest.approx(1 / 3)) in parsed(render_text(families(fleet)))
