@@ -60,16 +60,18 @@ def running_server_url(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .router.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
     url = running_server_url(args)
+    status_request = urllib.request.Request(f"{url}/v1/exaserve/status", headers=admin_headers(args))
     if args.watch:  # a live view (observability/watch.py)
         from .observability.watch import watch
 
         def fetch() -> dict:
-            with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
+            with urllib.request.urlopen(status_request, timeout=args.timeout) as response:
                 return json.load(response)
         return watch(fetch, url, interval=args.interval, count=args.count, console=out)
     try:
-        with urllib.request.urlopen(f"{url}/v1/exaserve/status", timeout=args.timeout) as response:
+        with urllib.request.urlopen(status_request, timeout=args.timeout) as response:
             status = json.load(response)
     except (urllib.error.URLError, OSError) as exc:
         err.print(f"[red]error[/]: cannot reach exaserve at {url}: {getattr(exc, 'reason', exc)}", highlight=False)

@@ -260,6 +260,12 @@ class GatewayConfig(_Section):
     max_queued_requests: int = Field(1024, ge=1)  # beyond this: 429 with Retry-After
     require_api_key: bool = False
     default_max_tokens: int = Field(128, ge=1)
+    # The largest request body taken (413 beyond it, refused before the body is read), 1 KiB .. 1 GiB
+    max_body_bytes: Size = Field(parse_size("4MiB"), ge=1024, le=2**30)
+    # The share of max_queued_requests one quota group may hold when it sets no max_concurrent_requests
+    group_share: float = Field(0.5, gt=0, le=1)
+    # A bearer key for /metrics only (Prometheus' authorization), when require_api_key; the admin key works too
+    metrics_key: Optional[str] = Field(None, min_length=16)
 
 
 class RequeueConfig(_Section):

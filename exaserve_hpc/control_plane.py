@@ -313,7 +313,7 @@ class ControlPlane:
             self.request_stop(self.failure)
 
     def _app(self):
-        from .router.admin_api import serving_admin_routes
+        from .router.admin_api import admin_key_for, serving_admin_routes
         from .router.backend import ModelInfo
         from .router.client import RouterClient
         from .router.gateway import create_app
@@ -321,8 +321,9 @@ class ControlPlane:
         models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in self.site.models]
         client = RouterClient(self.router.frontend_endpoint, models, status=self.controller.status,
                               ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
+        admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
         return create_app(client, self.site, admin_routes=serving_admin_routes(
-            self.site, self.router, self.controller, self.gateway_host))
+            self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key)
 
     # ---------------------------------------------------------------- running and stopping
 

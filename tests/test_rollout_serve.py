@@ -43,7 +43,7 @@ def deployment(tmp_path_factory):
                                  router=dict(admin_key=KEY), model=dict(replicas=1, min_replicas=1))
     versions = {}
     for version, seed in (("v2", 1), ("v3", 2)):
-        versions[version] = tmp / f"{MODEL}-{version}"
+        versions[version] = tmp / "models" / f"{MODEL}-{version}"  # under weight_cache.l3_path: a model root
         done = cli("model", "create-tiny", str(versions[version]), "--seed", str(seed))
         assert done.returncode == 0, done.stderr
     process, url, lines = start_serve(site_file)
@@ -134,7 +134,7 @@ class Traffic:
 
 def test_a_bad_checkpoint_is_refused_and_the_admin_key_is_required(deployment):
     url, tmp = deployment["url"], deployment["tmp"]
-    bad = tmp / "corrupt"
+    bad = tmp / "models" / "corrupt"
     shutil.copytree(deployment["versions"]["v2"], bad)
     shard = next(p for p in sorted(bad.iterdir()) if p.name != "manifest.json" and p.stat().st_size > 64)
     data = bytearray(shard.read_bytes())

@@ -16,19 +16,30 @@ promote and drains the canary's on rollback (scheduler/rollout_control.py).
 The table changes first, so a replica never gets traffic its table entry
 does not allow.
 
-When ``admin_key`` is set, requests need ``Authorization: Bearer <admin_key>``.
+Every request needs ``Authorization: Bearer <admin key>``: the site's
+``router.admin_key``, or else a key made for the run and written (mode 0600)
+to ``<run or job directory>/admin.key``, where `exaserve rollout` and
+`exaserve status` read it (`admin_key_for`). A version's checkpoint must pass
+its manifest and lie under an allowed model root (`model_roots`): the site's
+``weight_cache.l3_path`` and the directory holding each model's checkpoint
+(``model_path``'s parent), after symbolic links are resolved, and must not be
+writable by other users.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import os
+import secrets
+import stat
 import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Collection, Optional
 
 from fastapi import APIRouter, Header, HTTPException
@@ -37,6 +48,7 @@ from pydantic import BaseModel, Field
 from .canary import Rollout, RolloutError, RolloutTable, check_version
 
 ROUTE = "/v1/exaserve/rollouts"
+ADMIN_KEY_FILE = "admin.key"
 
 Apply = Callable[[Callable[[RolloutTable], object]], "Future"]
 """Run fn(rollout_table) where the table lives; returns a concurrent Future of its result."""
@@ -58,39 +70,79 @@ def router_apply(router) -> Apply:
     return lambda fn: router.call(lambda dispatcher: fn(dispatcher.rollouts))
 
 
-def serving_admin_routes(site, router, controller, host: Optional[str] = None) -> APIRouter:
-    """The rollout routes of a running deployment: the router's table, the controller's fleet, the site's key.
-    A version's checkpoint defaults to the one next to the model's (`rollout_control.version_dir`).
-    `host`: the address the gateway really listens on (a --host flag overrides the site's)."""
+def admin_key_for(site, state_dir) -> str:
+    """The deployment's admin key: the site's router.admin_key, else a new one for this run, written
+    0600 to state_dir/admin.key (replacing any earlier run's) for `exaserve rollout` and `exaserve status`."""
+    if site.router.admin_key:
+        return site.router.admin_key
+    key = secrets.token_urlsafe(32)
+    path = Path(state_dir) / ADMIN_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # a new file, so no earlier file's (or another user's) mode or owner carries over
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def model_roots(site) -> list[Path]:
+    """Where a rollout's checkpoint may lie: weight_cache.l3_path and each model's checkpoint's directory."""
+    roots = {site.weight_cache.l3_dir, *(site.model_dir(m).parent for m in site.models)}
+    return sorted({Path(os.path.realpath(r)) for r in roots})
+
+
+def check_location(model_dir: str, roots: list[Path]) -> None:
+    """Refuse (403) a checkpoint outside the allowed roots or one another user could change under us."""
+    real = Path(os.path.realpath(model_dir))
+    if not any(real != root and real.is_relative_to(root) for root in roots):
+        raise HTTPException(403, f"checkpoint {model_dir} is not under an allowed model root "
+                                 f"({', '.join(map(str, roots))}: weight_cache.l3_path and the models' checkpoint "
+                                 "directories); copy it there first")
+    try:
+        info = real.stat()
+    except OSError as exc:
+        raise HTTPException(422, f"cannot read checkpoint {model_dir}: {exc.strerror}") from exc
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise HTTPException(403, f"checkpoint {model_dir} is owned by another user or writable by others "
+                                 f"(mode {stat.filemode(info.st_mode)}); it could change after it is verified")
+
+
+def serving_admin_routes(site, router, controller, host: Optional[str] = None,
+                         admin_key: Optional[str] = None) -> APIRouter:
+    """The rollout routes of a running deployment: the router's table, the controller's fleet, the admin key
+    (`admin_key_for`; None: the site's router.admin_key). A version's checkpoint defaults to the one next to
+    the model's (`rollout_control.version_dir`). `host` is accepted for older callers and not used."""
     from ..scheduler.rollout_control import version_dir
 
     def resolve_dir(model: str, version: str) -> Optional[str]:
         path = version_dir(site, model, version)
         return str(path) if path is not None else None
 
-    host = host or site.gateway.host
-    local = host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-    return make_admin_router(router_apply(router), resolve_dir, admin_key=site.router.admin_key,
+    key = admin_key or site.router.admin_key
+    if not key:
+        raise ValueError("the admin routes need a key: pass admin_key_for(site, state_dir)")
+    return make_admin_router(router_apply(router), resolve_dir, admin_key=key,
                              on_change=controller.rollouts.changed, models=[m.model_name for m in site.models],
-                             keyless=None if local else host)
+                             roots=model_roots(site))
 
 
 def make_admin_router(apply: Apply, resolve_dir: Callable[[str, str], Optional[str]] = lambda m, v: None,
-                      admin_key: Optional[str] = None, verify: Callable[[str], None] = check_version,
+                      admin_key: str = "", verify: Callable[[str], None] = check_version,
                       on_change: Optional[OnChange] = None, models: Optional[Collection[str]] = None,
-                      keyless: Optional[str] = None) -> APIRouter:
+                      roots: Optional[list[Path]] = None) -> APIRouter:
     """models: the served model names (None: any); a command for another model is refused with 404.
-    keyless: the non-loopback address the gateway listens on, if any; without an admin key the
-    routes then refuse everyone (403), since anyone who can reach the gateway could change traffic."""
+    admin_key: every request must carry it (an empty key refuses everyone). roots: where checkpoints
+    may lie (None: anywhere; only for tests of the table)."""
     api = APIRouter()
 
     def authorize(authorization: Optional[str]) -> None:
-        if not admin_key and keyless:
-            raise HTTPException(403, f"the gateway listens on {keyless}, beyond this machine, and no admin key "
-                                     "is set; set router.admin_key in the site config to use the admin routes")
-        if admin_key and authorization != f"Bearer {admin_key}":
-            raise HTTPException(401, "admin routes need 'Authorization: Bearer <admin key>' "
-                                     "(the site's router admin key)")
+        expected = f"Bearer {admin_key}".encode()
+        if not admin_key or not hmac.compare_digest((authorization or "").encode(), expected):
+            raise HTTPException(401, "admin routes need 'Authorization: Bearer <admin key>': the site's "
+                                     f"router.admin_key, or the run's key in <run directory>/{ADMIN_KEY_FILE}")
 
     async def on_table(fn: Callable[[RolloutTable], object]):
         try:
@@ -129,6 +181,9 @@ def make_admin_router(apply: Apply, resolve_dir: Callable[[str, str], Optional[s
         if not model_dir:
             raise HTTPException(422, f"no checkpoint known for {body.model} version {body.version!r}; "
                                      "pass model_dir so it can be verified before it takes traffic")
+        if roots is not None:
+            check_location(model_dir, roots)
+            model_dir = os.path.realpath(model_dir)  # what was checked is what the replicas load
         try:
             await asyncio.to_thread(verify, model_dir)
         except RolloutError as exc:
@@ -152,8 +207,26 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site")
     parser.add_argument("--run-dir")
     parser.add_argument("--admin-key", default=os.environ.get("EXASERVE_ADMIN_KEY"),
-                        help="router admin key (default: $EXASERVE_ADMIN_KEY)")
+                        help=f"router admin key (default: $EXASERVE_ADMIN_KEY, else the run's {ADMIN_KEY_FILE} "
+                             "in run_dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds (start verifies the checkpoint)")
+
+
+def admin_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Authorization with the admin key: --admin-key / $EXASERVE_ADMIN_KEY, else the running server's
+    admin.key in --run-dir (or the site's run_dir); none when neither is there (the server says 401)."""
+    key = getattr(args, "admin_key", None) or os.environ.get("EXASERVE_ADMIN_KEY")
+    if not key:
+        try:
+            if getattr(args, "run_dir", None):
+                run_dir = Path(args.run_dir).expanduser()
+            else:
+                from ..cli import _load
+                run_dir = _load(getattr(args, "site", None)).run_path
+            key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+        except (Exception, SystemExit):  # no readable key file, no loadable site: send none
+            return {}
+    return {"Authorization": f"Bearer {key}"}
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -164,9 +237,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             body["model_dir"] = os.path.abspath(args.model_dir)
     from ..cli import running_server_url  # --url, else the server recorded in run_dir
     url = f"{running_server_url(args)}{ROUTE}/{args.action}"
-    headers = {"Content-Type": "application/json"}
-    if args.admin_key:
-        headers["Authorization"] = f"Bearer {args.admin_key}"
+    headers = {"Content-Type": "application/json", **admin_headers(args)}
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:

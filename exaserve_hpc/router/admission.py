@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
 from exaserve_hpc.router import openai_api as api
@@ -45,6 +46,52 @@ def from_backend_error(error: BackendError) -> ApiError:
 def internal_error(request_id: str, exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error while serving request {request_id} ({type(exc).__name__}: {exc}); "
                     "it has been logged; retry, and report the request id if it persists", code="internal_error")
+
+
+# ------------------------------------------------------------ request bodies
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the ASGI receive of a body past the limit: FastAPI re-raises HTTP exceptions as they are
+    (anything else met while reading a body becomes its 400), and the gateway answers it in OpenAI's shape."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int, size: Optional[int] = None):
+        what = f"is {size} bytes" if size is not None else "goes on"
+        super().__init__(413, f"the request body {what}, over this server's limit of {limit} bytes "
+                              "(gateway.max_body_bytes); send a smaller request")
+
+
+class BodyLimit:
+    """ASGI middleware capping request bodies at `limit` bytes before they are read into memory.
+
+    A declared Content-Length over the limit is answered 413 at once, unread; a body sent in chunks
+    (no length, or a wrong one) is counted as it arrives and refused at the first byte past the limit.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            refusal = BodyTooLarge(self.limit, int(declared))
+            return await error_response(ApiError(413, refusal.detail, code=refusal.code))(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 # ------------------------------------------------------------ admission

@@ -13,6 +13,7 @@ the serving side (see ``GatewayBackend.stream``).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from typing import Optional
@@ -31,7 +32,9 @@ from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router import openai_api as api
 from exaserve_hpc.router.policies import policy_class
-from exaserve_hpc.router.admission import Admission, ApiError, from_backend_error, internal_error, error_response
+from exaserve_hpc.router.admission import (
+    Admission, ApiError, BodyLimit, from_backend_error, internal_error, error_response,
+)
 from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
 from exaserve_hpc.router.generation import (
     CHAT, COMPLETIONS, Generation, collect_unless_disconnected, json_answer, sse_events,
@@ -73,23 +76,40 @@ class _RequestMetrics:
             metrics.REQUEST_SECONDS.labels(model, endpoint).observe(time.perf_counter() - arrived)
 
 
-def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None) -> FastAPI:
+def group_limits(site: SiteConfig) -> dict[str, int]:
+    """Each quota group's cap on requests in flight: its own max_concurrent_requests, else (when several
+    groups share the gateway) gateway.group_share of max_queued_requests, so no group takes every slot."""
+    gateway, groups = site.gateway, site.quota_groups
+    share = max(1, int(gateway.group_share * gateway.max_queued_requests))
+    return {g.name: g.max_concurrent_requests if g.max_concurrent_requests is not None else share
+            for g in groups if g.max_concurrent_requests is not None or len(groups) > 1}
+
+
+def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None,
+               admin_key: Optional[str] = None) -> FastAPI:
     """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys.
 
     ``admin_routes`` (e.g. the router's rollout API) are mounted as they are; they carry their own auth.
+    ``admin_key``: the deployment's admin key; with gateway.require_api_key, fleet status, /metrics and
+    /openapi.json need it (/metrics also takes gateway.metrics_key).
     """
     tokenizer = ByteTokenizer()
-    admission = Admission(site.gateway.max_queued_requests,
-                          {g.name: g.max_concurrent_requests for g in site.quota_groups
-                           if g.max_concurrent_requests is not None},
+    admission = Admission(site.gateway.max_queued_requests, group_limits(site),
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None})
     group_of_key = {key: group.name for group in site.quota_groups for key in group.api_keys}
     # Prompts are hashed here, in the gateway processes, so the router's one thread only looks them up.
     hasher = policy_class(site.router.policy).prompt_hasher(site.router)
+    keyed = site.gateway.require_api_key
+    # Models that scale from zero wait for their first replica; any other gets 503 at once while none serves.
+    from_zero = {m.model_name for m in site.models if site.min_replicas(m) == 0}
+    readiness = [0.0, False]  # (checked at, ready): backend.ready() takes the fleet's lock; ask at most every 0.2 s
 
     app = FastAPI(title="exaserve-hpc gateway", version="0.1.0",
                   description="OpenAI-compatible API of an exaserve-hpc deployment (site "
-                              f"{site.site!r}); see exaserve_hpc/router/openai_api.py for the supported subset.")
+                              f"{site.site!r}); see exaserve_hpc/router/openai_api.py for the supported subset.",
+                  # With keys required the schema is served by the keyed route below, and no docs pages.
+                  **(dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}))
+    app.add_middleware(BodyLimit, limit=site.gateway.max_body_bytes)
     app.add_middleware(_RequestMetrics)
     _install_error_handlers(app)
     if admin_routes is not None:
@@ -107,6 +127,24 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             raise ApiError(401, "the API key given is not one of this site's keys; ask the site's platform "
                            "team for your group's key", code="invalid_api_key")
         return group
+
+    def bearer(request: Request) -> str:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        return key.strip() if scheme.lower() == "bearer" else ""
+
+    def require_key(request: Request, *accepted: Optional[str], what: str, which: str) -> None:
+        """With keys required, one of the accepted keys or 401."""
+        if not keyed:
+            return
+        given = bearer(request).encode()
+        if not any(key and hmac.compare_digest(given, key.encode()) for key in accepted):
+            raise ApiError(401, f"{what} needs 'Authorization: Bearer <key>' with {which}", code="invalid_api_key")
+
+    def serving_now() -> bool:
+        now = time.monotonic()
+        if now - readiness[0] > 0.2:
+            readiness[:] = [now, bool(backend.ready())]
+        return readiness[1]
 
     def served_model(name: str, request: Request) -> ModelInfo:
         served = backend.models()
@@ -139,6 +177,11 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     async def generate(request: Request, endpoint: str, body: api.GenerationParams, model: ModelInfo,
                        prompt_ids: list[int], max_tokens: int, group: Optional[str]) -> Response:
         arrived = time.perf_counter()
+        if model.name not in from_zero and not serving_now():
+            # What /health says: waiting for a replica would only end in a 503 after first_token_timeout.
+            raise ApiError(503, f"no replica is serving now (GET /health is 503); model {model.name!r} "
+                           "cannot be answered until one is; retry after the Retry-After seconds",
+                           code="no_replica", retry_after=5)
         ticket = admission.admit(group)
         metrics.PROMPT_TOKENS.labels(model.name).inc(len(prompt_ids))
         gen_request = GenerateRequest(
@@ -206,8 +249,16 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
              "max_model_len": m.max_seq_len} for m in backend.models()]}
 
     @app.get("/v1/exaserve/status", summary="Fleet status: controller, agents, replicas")
-    async def fleet_status(group: Optional[str] = Depends(caller_group)) -> dict:
+    async def fleet_status(request: Request) -> dict:
+        require_key(request, admin_key, what="fleet status", which="the deployment's admin key "
+                    "(quota groups' keys do not see the fleet)")
         return backend.status()
+
+    if keyed:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_schema(request: Request) -> JSONResponse:
+            require_key(request, admin_key, *group_of_key, what="/openapi.json", which="one of this site's API keys")
+            return JSONResponse(app.openapi())
 
     @app.get("/health", summary="200 when requests can be served now, 503 otherwise")
     async def health() -> JSONResponse:
@@ -217,7 +268,9 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                             {"Retry-After": "5"})
 
     @app.get("/metrics", summary="Prometheus metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        require_key(request, site.gateway.metrics_key, admin_key, what="/metrics",
+                    which="gateway.metrics_key or the deployment's admin key")
         # Off the event loop: a target-scale fleet takes a few hundred ms to render (bench_metrics_scrape.py).
         body, content_type = await anyio.to_thread.run_sync(metrics.render)
         return Response(body, headers={"Content-Type": content_type})
@@ -251,7 +304,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":  # no such route (a route's own 404 says more)
             message = (f"no route {request.method} {request.url.path}; this server serves /v1/models, "
                        "/v1/completions, /v1/chat/completions, /health, /metrics and /openapi.json")
-        return error_response(ApiError(exc.status_code, message))
+        return error_response(ApiError(exc.status_code, message, code=getattr(exc, "code", None)))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -123,13 +123,13 @@ class CompletionRequest(GenerationParams):
     @classmethod
     def _one_text_prompt(cls, value: Any) -> str:
         if isinstance(value, str):
-            return value
+            return _encodable(value)
         if isinstance(value, list):
             if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) or (
                     value and all(isinstance(v, list) for v in value)):
                 raise ValueError("is given as token ids, which this server does not accept; send the text")
             if len(value) == 1 and isinstance(value[0], str):
-                return value[0]
+                return _encodable(value[0])
             if len(value) > 1 and all(isinstance(v, str) for v in value):
                 raise ValueError(f"is a batch of {len(value)} prompts; send one prompt per request")
         raise ValueError(f"must be a string (or a list holding one string), found {_describe(value)}")
@@ -175,6 +175,16 @@ def _text_message(index: int, message: Any) -> dict:
     if not isinstance(content, str):
         raise ValueError(f"[{index}].content must be a string or a list of text parts, found {_describe(content)}")
     return {"role": role, "content": content}
+
+
+def _encodable(text: str) -> str:
+    """The text, if it is valid Unicode: JSON's "\\ud800" escapes decode to lone surrogates, which have no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate ({text[exc.start]!r}) at character {exc.start}, which is not "
+                         "valid Unicode text; send UTF-8 text (a surrogate pair for characters beyond U+FFFF)") from None
+    return text
 
 
 def _describe(value: Any) -> str:
@@ -301,8 +311,18 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 _json = msgspec.json.Encoder()
 
 
+# Line separators JSON allows raw in strings but clients that split SSE on Unicode line breaks
+# (JavaScript's, Python's str.splitlines) cut an event at: U+2028, U+2029 and NEL (U+0085). In UTF-8
+# these byte sequences only ever encode those characters, so replacing the bytes is exact.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def sse_event(data: dict) -> bytes:
-    return b"data: " + _json.encode(data) + b"\n\n"
+    body = _json.encode(data)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in body:
+            body = body.replace(raw, escaped)
+    return b"data: " + body + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

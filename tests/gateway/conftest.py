@@ -38,10 +38,12 @@ class RunningGateway:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=10, **kwargs)
 
 
-def make_site(gateway: Optional[dict] = None, quota_groups: Optional[list] = None) -> SiteConfig:
+def make_site(gateway: Optional[dict] = None, quota_groups: Optional[list] = None,
+              other_min_replicas: Optional[int] = None) -> SiteConfig:
     return parse_site({
         "site": "gateway-test",
-        "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN}, {"model_name": "other", "max_seq_len": 64}],
+        "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN},
+                   {"model_name": "other", "max_seq_len": 64, "min_replicas": other_min_replicas}],
         "gateway": gateway or {},
         "quota_groups": quota_groups or [],
     })
@@ -68,11 +70,11 @@ def start_gateway():
     """start_gateway(site=None, **fake_knobs) -> RunningGateway; every one started is stopped at teardown."""
     running = []
 
-    def start(site: Optional[SiteConfig] = None, **fake_knobs: Any) -> RunningGateway:
+    def start(site: Optional[SiteConfig] = None, admin_key: Optional[str] = None, **fake_knobs: Any) -> RunningGateway:
         site = site or make_site()
         models = [ModelInfo(m.model_name, m.max_seq_len, created=1700000000) for m in site.models]
         backend = FakeBackend(models, **fake_knobs)
-        server, thread, sock = _serve(create_app(backend, site))
+        server, thread, sock = _serve(create_app(backend, site, admin_key=admin_key))
         running.append((server, thread, sock, backend))
         return RunningGateway(f"http://127.0.0.1:{sock.getsockname()[1]}", backend, site)
 

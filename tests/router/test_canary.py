@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import threading
 import time
@@ -123,15 +124,43 @@ def admin_app(table: RolloutTable, **kw) -> FastAPI:
     return app
 
 
-def test_admin_routes_on_a_gateway_reachable_from_other_machines_need_a_key(checkpoints):
+def test_admin_routes_without_a_key_refuse_everyone(checkpoints):
     good, _ = checkpoints
     table = RolloutTable()
-    keyless = TestClient(admin_app(table, keyless="0.0.0.0"))
+    keyless = TestClient(admin_app(table))  # no key given: nobody is admitted, loopback or not
     r = keyless.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": good})
-    assert r.status_code == 403 and "router.admin_key" in r.json()["detail"] and table.rollouts == {}
-    assert keyless.get("/v1/exaserve/rollouts").status_code == 403
-    keyed = TestClient(admin_app(table, keyless="0.0.0.0", admin_key="k"))
+    assert r.status_code == 401 and "admin.key" in r.json()["detail"] and table.rollouts == {}
+    assert keyless.get("/v1/exaserve/rollouts").status_code == 401
+    assert keyless.get("/v1/exaserve/rollouts", headers={"Authorization": "Bearer "}).status_code == 401
+    keyed = TestClient(admin_app(table, admin_key="k"))
     assert keyed.get("/v1/exaserve/rollouts", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_a_checkpoint_outside_the_model_roots_or_writable_by_others_is_refused(checkpoints, tmp_path):
+    good, _ = checkpoints
+    root = Path(good).parent
+    table = RolloutTable()
+    client = TestClient(admin_app(table, admin_key="k", roots=[root]))
+    auth = {"Authorization": "Bearer k"}
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(good, outside)
+    r = client.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": str(outside)},
+                    headers=auth)
+    assert r.status_code == 403 and "allowed model root" in r.json()["detail"] and str(root) in r.json()["detail"]
+    link = root / "link-out"
+    link.symlink_to(outside)  # a link inside the root to a directory outside it is outside
+    r = client.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": str(link)},
+                    headers=auth)
+    assert r.status_code == 403
+    shared = root / "shared"
+    shutil.copytree(good, shared)
+    shared.chmod(0o777)
+    r = client.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": str(shared)},
+                    headers=auth)
+    assert r.status_code == 403 and "writable by others" in r.json()["detail"] and table.rollouts == {}
+    r = client.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "model_dir": good},
+                    headers=auth)
+    assert r.status_code == 200
 
 
 def test_admin_routes_verify_before_traffic_and_need_the_key(checkpoints):
@@ -159,13 +188,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_talks_to_a_running_server(checkpoints, capsys):
+def test_cli_talks_to_a_running_server(checkpoints, capsys, monkeypatch):
     import uvicorn
 
     good, bad = checkpoints
     table = RolloutTable()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(admin_app(table), host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(admin_app(table, admin_key="k"), host="127.0.0.1", port=port,
+                                           log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -174,12 +204,17 @@ def test_cli_talks_to_a_running_server(checkpoints, capsys):
         parser = argparse.ArgumentParser()
         add_rollout_arguments(parser)
         url = f"http://127.0.0.1:{port}"
-        assert cmd_rollout(parser.parse_args(["start", "m", "v2", "--model-dir", bad, "--url", url])) == 1
+        run_dir = Path(good).parent / "run"
+        run_dir.mkdir()
+        (run_dir / "admin.key").write_text("k\n")  # as admin_key_for leaves it; read when no key is given
+        monkeypatch.delenv("EXASERVE_ADMIN_KEY", raising=False)
+        url = f"--url {url} --run-dir {run_dir}"
+        assert cmd_rollout(parser.parse_args(["start", "m", "v2", "--model-dir", bad, *url.split()])) == 1
         assert "failed verification" in capsys.readouterr().err
         assert cmd_rollout(parser.parse_args(["start", "m", "v2", "--model-dir", good, "--weight", "0.05",
-                                              "--url", url])) == 0
+                                              *url.split()])) == 0
         assert "5% to v2" in capsys.readouterr().out
-        assert cmd_rollout(parser.parse_args(["promote", "m", "v2", "--url", url])) == 0
+        assert cmd_rollout(parser.parse_args(["promote", "m", "v2", *url.split()])) == 0
         assert table.rollouts["m"].stable == "v2" and table.rollouts["m"].canary is None
     finally:
         server.should_exit = True

@@ -83,8 +83,8 @@ def test_admin_routes_tell_the_fleet_after_the_table_changed_and_refuse_unknown_
 
     app = FastAPI()
     app.include_router(make_admin_router(apply, lambda m, v: f"/ckpt/{m}@{v}", verify=lambda d: None,
-                                         on_change=on_change, models=["m"]))
-    client = TestClient(app)
+                                         on_change=on_change, models=["m"], admin_key="k"))
+    client = TestClient(app, headers={"Authorization": "Bearer k"})
     assert client.post("/v1/exaserve/rollouts/start", json={"model": "x", "version": "v2"}).status_code == 404
     assert client.post("/v1/exaserve/rollouts/start", json={"model": "m", "version": "v2", "weight": 0.5}).is_success
     assert client.post("/v1/exaserve/rollouts/promote", json={"model": "m", "version": "v9"}).status_code == 409
