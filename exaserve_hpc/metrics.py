@@ -18,6 +18,8 @@ string into a label, or a typo-ing client grows the series without bound.
 
 from __future__ import annotations
 
+import gzip
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -132,9 +134,10 @@ REPLICA_FAILURES = Counter(
 )
 
 
-def render() -> tuple[bytes, str]:
-    """The registry in Prometheus text exposition format: (body, content type)."""
-    return generate_latest(REGISTRY) + FLEET.render(), CONTENT_TYPE_LATEST
+def render(gzipped: bool = False) -> tuple[bytes, str]:
+    """The registry and the fleet in Prometheus text exposition format: (body, content type)."""
+    body = generate_latest(REGISTRY) + FLEET.render()
+    return (gzip.compress(body, 1) if gzipped else body), CONTENT_TYPE_LATEST
 
 
 def watch_fleet(controller, router, keeper=None) -> None:

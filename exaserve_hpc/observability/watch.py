@@ -34,9 +34,11 @@ def local_alerts(status: dict) -> list[tuple[str, str]]:
             alerts.append(("NodeLost", f"node {a['agent_id']} lost (no heartbeat for {a['heartbeat_age']:.0f}s)"))
     for r in status.get("replicas", []):
         if r.get("queue_depth", 0) > QUEUE_DEPTH_LIMIT:
-            alerts.append(("HighReplicaQueueDepth", f"{r['replica_id']} on {r.get('node')}: {r['queue_depth']} queued"))
+            alerts.append(("HighReplicaQueueDepth",
+                           f"{r['replica_id']} on {r.get('node')}: {r['queue_depth']} queued"))
         if r.get("restarts", 0) >= FLAPPING_RESTARTS:
-            alerts.append(("ReplicaFlapping", f"{r['replica_id']} restarted {r['restarts']} times: {r.get('detail', '')}"))
+            alerts.append(("ReplicaFlapping",
+                           f"{r['replica_id']} restarted {r['restarts']} times: {r.get('detail', '')}"))
         if r.get("state") == "serving" and not r.get("endpoint"):
             alerts.append(("ReplicaNotReporting", f"{r['replica_id']} serves but the router does not route to it"))
     for m in status.get("models", []):

@@ -271,9 +271,12 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     async def prometheus_metrics(request: Request) -> Response:
         require_key(request, site.gateway.metrics_key, admin_key, what="/metrics",
                     which="gateway.metrics_key or the deployment's admin key")
-        # Off the event loop: a target-scale fleet takes a few hundred ms to render (bench_metrics_scrape.py).
-        body, content_type = await anyio.to_thread.run_sync(metrics.render)
-        return Response(body, headers={"Content-Type": content_type})
+        # Off the event loop: a target-scale fleet takes a few hundred ms to render (bench_metrics_scrape.py);
+        # gzipped for Prometheus (it asks), 6.9 MB -> 0.6 MB at 3,072 replicas.
+        gzipped = "gzip" in request.headers.get("accept-encoding", "")
+        body, content_type = await anyio.to_thread.run_sync(metrics.render, gzipped)
+        encoding = {"Content-Encoding": "gzip"} if gzipped else {}
+        return Response(body, headers={"Content-Type": content_type, **encoding})
 
     return app
 

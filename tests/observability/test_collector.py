@@ -175,6 +175,16 @@ def test_an_idle_replica_has_no_hit_rate_and_only_served_replicas_have_engine_se
     assert per_replica == 19 + 2  # the module docstring's count: 19 series per served replica, 2 per placed one
 
 
+def test_metrics_gzipped_are_the_same_metrics():
+    import gzip
+    FLEET.watch_readings(sample_fleet)
+    try:
+        plain, compressed = metrics.render()[0], metrics.render(gzipped=True)[0]
+    finally:
+        FLEET.watch_readings(None)
+    assert b"exaserve_replica_queue_depth{" in plain and gzip.decompress(compressed) == plain
+
+
 def test_the_fast_text_writer_says_what_prometheus_client_says():
     from prometheus_client import CollectorRegistry, generate_latest
 
