@@ -82,6 +82,8 @@ class RouterClient:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # As deep as the router's send side (zmq_router.GATEWAY_HWM): bursts wait in libzmq, not in its backlog.
+        self._socket.setsockopt(zmq.RCVHWM, 10_000)
         if self.curve is not None:
             from ..bootstrap import secure_client
             secure_client(self._socket, self.curve)

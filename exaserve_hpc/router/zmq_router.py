@@ -17,7 +17,18 @@ endpoints an admitted replica named.
 
 The thread polls both sockets with a short timeout, hands every decoded
 message to the transport-free `Dispatcher`, sends what it returns, and runs
-`Dispatcher.tick` for expiries (Paranoid Pirate style). Other threads talk to
+`Dispatcher.tick` for expiries (Paranoid Pirate style).
+
+Backpressure towards a gateway: a reply its connection cannot take now
+(EAGAIN: its pipe is at the high-water mark, the gateway's loop is behind) is
+never dropped. It waits in that gateway's backlog, with every later reply to
+that gateway behind it (order kept), and the backlog is flushed as the pipe
+drains, on every pass of the loop (1 ms polls while anything waits). A backlog
+holds at most `gateway_backlog` messages; past that, the request of the reply
+that did not fit is failed alone: its waiting chunks are taken out, its
+replica told to abort, and one RequestError (503 gateway_backlog) queued in
+their place, so its client gets an error instead of waiting for a final chunk
+that never comes. Other threads talk to
 it only through `call()`, which queues a function to run on the router thread,
 so the dispatcher is never touched by two threads.
 """
@@ -30,12 +41,13 @@ import socket as pysocket
 import threading
 import time
 from concurrent.futures import Future
+from collections import deque
 from typing import Callable, Optional, TypeVar
 
 import zmq
 
 from ..engine.kv_events import AllBlocksCleared, decode_batch
-from ..protocol import Abort, DecodeError, GenerateRequest, ReplicaHello, decode, encode
+from ..protocol import Abort, DecodeError, GenerateRequest, ReplicaHello, RequestError, decode, encode
 from .dispatch import GATEWAY, Dispatcher, Outgoing
 
 log = logging.getLogger(__name__)
@@ -43,6 +55,9 @@ T = TypeVar("T")
 
 POLL_MS = 50
 SEND_BATCH = 64  # replies held back at most while a burst of incoming messages is handled
+GATEWAY_HWM = 10_000  # replies queued in libzmq per gateway connection before EAGAIN (its default: 1,000)
+GATEWAY_BACKLOG = 200_000  # replies held by us per gateway beyond that; then one request is failed
+BACKLOG_POLL_MS = 1  # poll timeout while a backlog waits to be flushed
 
 # The hot path calls the Cython socket methods with int flags: pyzmq's sugar
 # (send_multipart, enum flags) costs about 3 us a message, as much as the routing.
@@ -70,7 +85,8 @@ def bind(socket: zmq.Socket, host: str, port: int) -> str:
 class ZmqRouter:
     def __init__(self, dispatcher: Dispatcher, host: str = "127.0.0.1", frontend_port: int = 0,
                  backend_port: int = 0, context: Optional[zmq.Context] = None,
-                 clock: Callable[[], float] = time.monotonic, curve=None):
+                 clock: Callable[[], float] = time.monotonic, curve=None, gateway_hwm: int = GATEWAY_HWM,
+                 gateway_backlog: int = GATEWAY_BACKLOG):
         self.dispatcher = dispatcher
         self.clock = clock
         self.context = context or zmq.Context.instance()
@@ -79,6 +95,13 @@ class ZmqRouter:
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises instead of vanishing
+        self.frontend.setsockopt(zmq.SNDHWM, gateway_hwm)  # before bind: connections take it when they come
+        self.gateway_backlog = gateway_backlog
+        self._backlogs: dict[bytes, deque] = {}  # gateway identity -> replies waiting for room, oldest first
+        # Requests failed for a full backlog: replies for them still in the batch being sent are dropped
+        # (the dispatcher forgot them, so no others come); forgotten once that gateway's backlog is flushed.
+        self._failed_for_backlog: set[str] = set()
+        self.backlog_counters = {"backlogged": 0, "failed_for_backlog": 0, "dropped_gateway_gone": 0}
         self._zap = []  # leases on the context's ZAP authenticator, stopped after the sockets close
         if curve is not None:
             from ..bootstrap import secure_server
@@ -139,7 +162,7 @@ class ZmqRouter:
         next_tick = 0.0
         while not self._stop.is_set():
             try:
-                events = dict(poller.poll(POLL_MS))
+                events = dict(poller.poll(BACKLOG_POLL_MS if self._backlogs else POLL_MS))
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -151,6 +174,8 @@ class ZmqRouter:
             if self.kv_events is not None and self.kv_events in events:
                 self._drain_kv_events()
             self._run_calls()
+            if self._backlogs:
+                self._flush_backlogs()
             now = self.clock()
             if now >= next_tick:
                 self._send(self.dispatcher.tick(now))
@@ -266,16 +291,87 @@ class ZmqRouter:
 
     def _send(self, outgoing: list[Outgoing]) -> None:
         for out in outgoing:
-            sock = self.frontend if out.side == GATEWAY else self.backend
+            if out.side == GATEWAY:
+                backlog = self._backlogs.get(out.peer)
+                if backlog is not None:  # behind what already waits: a stream's chunks stay in order
+                    self._hold(out.peer, backlog, out.message)
+                else:
+                    self._to_gateway(out.peer, out.message)
+                continue
             try:
-                _send_frame(sock, out.peer, _MORE_NOBLOCK)
-                _send_frame(sock, encode(out.message), _NOBLOCK)
+                _send_frame(self.backend, out.peer, _MORE_NOBLOCK)
+                _send_frame(self.backend, encode(out.message), _NOBLOCK)
             except zmq.ZMQError as exc:
-                if out.side != GATEWAY and exc.errno == zmq.EHOSTUNREACH:
+                if exc.errno == zmq.EHOSTUNREACH:
                     # The replica's socket is gone: move its requests now rather than at expiry.
                     replica_id = out.peer.decode(errors="replace")
                     self._send(self.dispatcher.replica_lost(replica_id, "unreachable", self.clock()))
                     continue
-                # A gateway that went away is not an error of ours; a full queue (EAGAIN) is
-                # caught by the deadline and first-token timeouts.
-                log.warning("cannot send %s to %s %r: %s", type(out.message).__name__, out.side, out.peer[:32], exc)
+                log.warning("cannot send %s to replica %r: %s", type(out.message).__name__, out.peer[:32], exc)
+
+    # ---------------------------------------------------------------- backpressure towards gateways
+
+    def _to_gateway(self, peer: bytes, message) -> bool:
+        """Send one reply now; False when the gateway's pipe is full (the caller keeps it)."""
+        try:
+            _send_frame(self.frontend, peer, _MORE_NOBLOCK)
+        except zmq.Again:
+            self._hold(peer, self._backlogs.setdefault(peer, deque()), message)
+            return False
+        except zmq.ZMQError as exc:
+            self._gateway_gone(peer, message, exc)
+            return True
+        # The identity frame went, so the payload goes too: libzmq takes a multipart message whole.
+        _send_frame(self.frontend, encode(message), _NOBLOCK)
+        return True
+
+    def _hold(self, peer: bytes, backlog: deque, message) -> None:
+        if message.request_id in self._failed_for_backlog:
+            return  # its RequestError already waits in the backlog: it must stay the last word
+        if not backlog:
+            log.warning("gateway %r is not keeping up: holding its replies until it reads", peer[:32])
+        if len(backlog) >= self.gateway_backlog and not isinstance(message, RequestError):
+            self._fail_for_backlog(peer, backlog, message.request_id)
+            return
+        backlog.append(message)
+        self.backlog_counters["backlogged"] += 1
+
+    def _fail_for_backlog(self, peer: bytes, backlog: deque, request_id: str) -> None:
+        """The backlog is full: fail this one request cleanly rather than drop any reply."""
+        kept = [m for m in backlog if m.request_id != request_id]
+        backlog.clear()
+        backlog.extend(kept)
+        self._failed_for_backlog.add(request_id)
+        self.backlog_counters["failed_for_backlog"] += 1
+        log.warning("gateway %r: %d replies waiting; failing request %s", peer[:32], len(backlog), request_id,
+                    extra={"request_id": request_id})
+        self._send(self.dispatcher.on_abort(request_id))  # the replica stops; nothing more comes for it
+        backlog.append(RequestError(
+            request_id=request_id, status=503, code="gateway_backlog", retry_after=1.0,
+            message=f"the gateway fell {self.gateway_backlog} replies behind the router; request {request_id} "
+                    "was stopped so the others could go on; retry it"))
+
+    def _flush_backlogs(self) -> None:
+        for peer, backlog in list(self._backlogs.items()):
+            while backlog:
+                message = backlog[0]
+                try:
+                    _send_frame(self.frontend, peer, _MORE_NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:  # gone: what waits for it has no reader left
+                    self._gateway_gone(peer, message, exc, len(backlog))
+                    backlog.clear()
+                    break
+                _send_frame(self.frontend, encode(message), _NOBLOCK)
+                backlog.popleft()
+            if not backlog:
+                del self._backlogs[peer]
+                if not self._backlogs:
+                    self._failed_for_backlog.clear()
+                log.info("gateway %r caught up", peer[:32])
+
+    def _gateway_gone(self, peer: bytes, message, exc: zmq.ZMQError, count: int = 1) -> None:
+        # A gateway that went away (EHOSTUNREACH) is not an error of ours: nobody is left to read this.
+        self.backlog_counters["dropped_gateway_gone"] += count
+        log.warning("cannot send %d message(s) (%s) to gateway %r: %s", count, type(message).__name__, peer[:32], exc)
