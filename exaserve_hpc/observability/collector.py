@@ -261,7 +261,8 @@ def _cluster_families(fleet: FleetReadings) -> list:
 
 
 class FleetCollector:
-    """Registered once per process on metrics.REGISTRY; `watch` points it at this process's control plane."""
+    """One per process (metrics.FLEET, rendered by metrics.render after the registry); `watch` points it at
+    this process's control plane. A prometheus_client Collector too (collect/describe), for other registries."""
 
     def __init__(self) -> None:
         self._source: Optional[Callable[[], FleetReadings]] = None

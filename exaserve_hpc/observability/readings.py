@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class FleetReadings:
     checkpoint: Optional[CheckpointReading] = None
 
 
-def read_fleet(controller, router, keeper=None, wall: callable = time.time) -> FleetReadings:
+def read_fleet(controller, router, keeper=None, wall: Callable[[], float] = time.time) -> FleetReadings:
     """A copy of what the controller and the router know now (see the module docstring)."""
     snapshot = router.snapshot()
     routed = {r["replica_id"]: r for r in snapshot.get("replicas", [])}
