@@ -452,7 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the memory pool's block size")
     args = parser.parse_args(argv)
     from ..observability.logs import configure_logging
-    configure_logging(text_format="%(asctime)s agent %(levelname)s %(message)s")  # EXASERVE_LOG_LEVEL/_FORMAT
+    configure_logging(text_format="%(asctime)s agent %(levelname)s %(message)s", role="agent")  # EXASERVE_LOG_*
     if args.die_with_parent:
         die_with_parent()
     try:

@@ -346,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--weights-source", choices=("l2", "l3"), default="l3")
     args = parser.parse_args(argv)
     from ..observability.logs import configure_logging
-    configure_logging(text_format="%(asctime)s replica %(levelname)s %(message)s")  # EXASERVE_LOG_LEVEL/_FORMAT
+    configure_logging(text_format="%(asctime)s replica %(levelname)s %(message)s", role="replica")  # EXASERVE_LOG_*
     die_with_parent()
     spec = decode(bytes.fromhex(args.spec))
     if not isinstance(spec, StartReplica):

@@ -90,3 +90,29 @@ def test_serve_logs_json_lines_from_every_process_with_the_request_id(tmp_path):
     # Whatever is not a log line is the console's own output (progress, the serving banner), never a
     # text-format log line.
     assert not [line for line in lines if not line.startswith("{") and (" DEBUG " in line or " INFO " in line)]
+
+
+def test_each_process_writes_its_own_capped_file_under_the_log_dir(tmp_path, monkeypatch):
+    from exaserve_hpc.observability.logs import configure_logging
+    monkeypatch.setenv("EXASERVE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("EXASERVE_LOG_MAX_BYTES", "2048")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        path = configure_logging("INFO", "json")
+        assert path.name.startswith("rank3.") and path.name.endswith(f".{os.getpid()}.log")
+        for k in range(100):
+            logging.getLogger("exaserve.test").info("line %d %s", k, "x" * 40)
+        for handler in root.handlers:
+            handler.flush()
+        files = sorted(p.name for p in (tmp_path / "logs").iterdir())
+        assert files == [path.name, path.name + ".1"]  # capped: the current file and one rotated
+        assert path.stat().st_size <= 2048 and json.loads(path.read_text().splitlines()[-1])["msg"].startswith("line 99")
+        monkeypatch.setenv("EXASERVE_LOG_MAX_BYTES", "lots")
+        with pytest.raises(LogFormatError, match="EXASERVE_LOG_MAX_BYTES='lots' is not a number of bytes"):
+            configure_logging("INFO", "json", role="replica")
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
