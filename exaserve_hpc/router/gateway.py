@@ -264,8 +264,12 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     async def health() -> JSONResponse:
         if backend.ready():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": "no replica is ready"}, 503,
-                            {"Retry-After": "5"})
+        try:  # a stopped controller or router thread is named (Controller.liveness via its status)
+            down = (backend.status().get("controller") or {}).get("liveness")
+        except Exception:
+            down = None
+        reason = "; ".join(down) if isinstance(down, list) and down else "no replica is ready"
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503, {"Retry-After": "5"})
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus_metrics(request: Request) -> Response:

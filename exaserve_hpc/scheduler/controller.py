@@ -53,6 +53,7 @@ from .demand import DemandHistory
 from .fleet import Fleet, FleetSnapshot
 from .fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_removal  # noqa: F401 (re-exported)
 from .oom_control import OomControl
+from .peer_guard import PeerGuard, invalid
 from .placement_control import PlacementControl, is_reservation_refusal
 from .rollout_control import RolloutFleet
 from .weight_control import WeightControl
@@ -60,6 +61,7 @@ from .weight_control import WeightControl
 log = logging.getLogger("exaserve.controller")
 
 MAX_RESTARTS = 5  # same-node restarts of a failed replica; past this it goes to another node
+STALLED = 30.0  # seconds without a loop round after which /health calls the controller stalled
 
 
 class Controller:
@@ -102,6 +104,9 @@ class Controller:
         self.demand_interval = demand_interval
         self._next_demand_sample = 0.0
         self._stop = threading.Event()
+        self.peers = PeerGuard()  # bad messages counted per peer; past a limit the peer is refused a while
+        self._errors_logged: set[str] = set()
+        self.loop_at = 0.0  # monotonic time the controller loop last went round (liveness)
         self._thread = threading.Thread(target=self._run, name="exaserve-controller", daemon=True)
         self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
         self.placement = PlacementControl(self.fleet)  # where replicas go (placement_control.py)
@@ -160,6 +165,9 @@ class Controller:
     # ---------------------------------------------------------------- status
 
     def serving_count(self) -> int:
+        """Replicas serving; 0 while the controller or router is not running (liveness()): /health is 503."""
+        if self.liveness():
+            return 0
         with self.fleet.lock:
             return sum(r.state is ReplicaState.SERVING for r in self.replicas.values())
 
@@ -178,18 +186,33 @@ class Controller:
         tick = self.site.scheduler.tick_interval
         next_tick = 0.0
         while not self._stop.is_set():
+            self.loop_at = time.monotonic()
             if self.socket.poll(min(100, int(tick * 1000))):
                 self._receive()
+            due = self.clock() >= next_tick
+            if due:
+                self._receive()  # what arrived while the loop was busy counts before any node is judged
             with self.fleet.lock:
                 while not self.fleet.commands.empty():
-                    self.fleet.commands.get_nowait()()
-                now = self.clock()
-                if now >= next_tick:
-                    self.tick(now)
+                    self._guarded("a queued command", self.fleet.commands.get_nowait())
+                if due:
+                    now = self.clock()
+                    self._guarded("the periodic tick", lambda: self.tick(now))
                     next_tick = now + tick
             self._flush()
 
+    def _guarded(self, what: str, work: Callable[[], None]) -> None:
+        """Run `work`; an exception is logged (once per distinct error) instead of ending the thread."""
+        try:
+            work()
+        except Exception as exc:
+            key = f"{what}: {type(exc).__name__}: {exc}"[:300]
+            if key not in self._errors_logged and len(self._errors_logged) < 256:
+                self._errors_logged.add(key)
+                log.exception("controller: %s failed (the controller carries on)", what)
+
     def _receive(self) -> None:
+        """Every waiting message (at most 1000), each under its own guard (peer_guard.py)."""
         for _ in range(1000):
             try:
                 peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -197,14 +220,43 @@ class Controller:
                 return
             except ValueError:
                 continue  # not two frames
+            now = time.monotonic()
+            if self.peers.refused(peer, now):
+                continue
             try:
                 message = decode(frame)
             except DecodeError as exc:
-                log.warning("undecodable message from agent %r: %s", peer[:32], exc)
+                self._bad(peer, "undecodable", str(exc), now)
                 continue
-            with self.fleet.lock:
-                self.handle(peer.decode(errors="replace"), message)
+            why = invalid(message)
+            if why:
+                self._bad(peer, type(message).__name__, why, now)
+                continue
+            try:
+                with self.fleet.lock:
+                    self.handle(peer.decode(errors="replace"), message)
+            except Exception as exc:
+                self._bad(peer, f"{type(message).__name__}: {type(exc).__name__}", repr(exc), now)
+                log.debug("handler failed", exc_info=True)
             self._flush()
+
+    def _bad(self, peer: bytes, kind: str, detail: str, now: float) -> None:
+        line = self.peers.bad(peer, kind, detail, now)
+        if line:
+            log.warning("controller: %s", line)
+
+    def liveness(self) -> list[str]:
+        """What keeps the service from working, for /health ([] when the controller and router run)."""
+        problems = []
+        if self.socket is not None:
+            if not self._thread.is_alive():
+                problems.append("controller thread stopped")
+            elif self.loop_at and time.monotonic() - self.loop_at > STALLED:
+                problems.append(f"controller loop stalled for {time.monotonic() - self.loop_at:.0f}s")
+        thread = getattr(self.router, "_thread", None)  # ZmqRouter's loop
+        if thread is not None and thread.ident is not None and not thread.is_alive():
+            problems.append("router thread stopped")
+        return problems
 
     def _flush(self) -> None:
         """Send what the handlers left in the fleet's outbox (the only place the socket is written)."""
@@ -297,6 +349,7 @@ class Controller:
             if not agent.lost and now - agent.last_seen > expiry:
                 agent.lost = True
                 self.lost_at[agent.agent_id] = now
+                metrics.NODES_LOST.inc()
                 log.error("node %s lost: no heartbeat for %.1fs (%d x %.1fs)", agent.agent_id,
                           now - agent.last_seen, self.site.heartbeat.misses, self.site.heartbeat.interval)
                 self.placement.node_lost(agent.agent_id)
@@ -349,7 +402,6 @@ class Controller:
                                        missing + waiting)
         count = min(missing, max(0, room - waiting))
         if count < missing:
-                metrics.NODES_LOST.inc()
             self.bounded[decision.model] = (f"target {decision.target} cut to {len(active) + count}: "
                                             f"room for {max(0, room - waiting)} more ({why})")
             log.info("autoscale %s: %s", decision.model, self.bounded[decision.model])

@@ -25,12 +25,16 @@ def _finite(x: float) -> Optional[float]:
 def controller_status(ctl: "Controller") -> dict:
     """The fleet as one JSON-ready dict (see the module docstring)."""
     routed = {r["replica_id"]: r for r in ctl.router.snapshot().get("replicas", [])}
-    with ctl.fleet.lock:
+    if not ctl.fleet.lock.acquire(timeout=2.0):  # a stalled controller holds it: say so rather than hang
+        return {"site": ctl.site.site, "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
+                                                      "liveness": ctl.liveness() or ["controller busy"]}}
+    try:
         return {
             "site": ctl.site.site,
             "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
                            "router_frontend": ctl.router.frontend_endpoint,
-                           "router_backend": ctl.router.backend_endpoint},
+                           "router_backend": ctl.router.backend_endpoint,
+                           "liveness": ctl.liveness() or "ok", **ctl.peers.status(time.monotonic())},
             "agents": [
                 {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
                  "state": "lost" if a.lost else "alive",
@@ -64,6 +68,8 @@ def controller_status(ctl: "Controller") -> dict:
             "router": {k: v for k, v in ctl.router.snapshot().items() if k != "replicas"},
             "restored": restored_summary(ctl.restored),
         }
+    finally:
+        ctl.fleet.lock.release()
 
 
 def models_summary(ctl: "Controller") -> list[dict]:
