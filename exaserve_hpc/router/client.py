@@ -57,8 +57,12 @@ class RouterClient:
             await self._socket.send(encode(request))
             while True:
                 try:
-                    message = await asyncio.wait_for(queue.get(), self.reply_timeout)
-                except asyncio.TimeoutError:
+                    # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that meets a reply
+                    # already queued (a busy stream always has one), so a client's hang-up was lost and
+                    # the request generated to its end (issue 13 item 10). asyncio.timeout keeps it.
+                    async with asyncio.timeout(self.reply_timeout):
+                        message = await queue.get()
+                except TimeoutError:
                     raise BackendError(504, "router_timeout",
                                        f"no reply from the router for {self.reply_timeout:.0f}s", 1.0) from None
                 if isinstance(message, RequestError):

@@ -5,6 +5,10 @@ ZeroMQ router, and the gateway app over the router client on a real uvicorn serv
 keep the gateway busy, 100 more clients (streaming, or not) hang up after their first bytes; the router
 must have forgotten them (Abort sent to their replica) within a coalescing interval or so, and the
 replicas must stop generating for them.
+
+Non-streaming requests were the ones lost: the router client waited for each reply with asyncio.wait_for,
+which (before Python 3.12) swallows a cancellation that meets a reply already queued, so the gateway's
+cancel on a hang-up was lost and the request generated to its end (4.5 s here, most runs).
 """
 
 from __future__ import annotations
@@ -112,17 +116,11 @@ async def _read_all(port: int) -> None:
         writer.close()
 
 
-@pytest.mark.parametrize("stream", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(reason="open: a non-streaming client that hangs up mid-generation "
-                                                "behind this load is not always seen until its answer is done "
-                                                "(measured 4.6-4.9 s, the whole generation)", strict=False)),
-])
+@pytest.mark.parametrize("stream", [True, False])
 def test_disconnected_clients_are_aborted_on_the_replica_promptly_under_load(stack, stream):
     router, port = stack
     result = asyncio.run(scenario(router, port, stream))
     # All 100 abandoned requests left the router's books (and their Aborts went to the replicas) quickly.
-    print("aborts landed after", result)
     assert result["forgotten_after"] < 0.5, result
     time.sleep(0.5)
     before = sum(r["tokens_generated"] for r in router.snapshot()["replicas"])
