@@ -11,9 +11,9 @@ reports how each ended:
 then whether the server is healthy after (/health 200 and a fresh request answered), and the node-lost
 events the controller logged during the run (false node losses: this machine's only node never stops).
 
-With --abandon N it then opens N streams of --abandon-tokens tokens, closes each after its first event (a
-client that went away), and reports how many tokens the replicas generated for them beyond what the
-clients read: with prompt aborts that is a small fraction of N x abandon-tokens.
+With --abandon N it then opens N streams of --abandon-tokens tokens on a second model paced like a GPU
+(engine timing), closes each after its first event (a client that went away), and reports how many tokens
+the replicas generated for them: with prompt aborts a small fraction of N x abandon-tokens.
 
     .venv/bin/python benchmarks/bench_overload.py [--streams 2000] [--max-tokens 256] [--abandon 500]
 
@@ -47,7 +47,11 @@ def start_server(tmp: Path, replicas: int, max_queued: int) -> tuple[subprocess.
         "gateway": {"max_queued_requests": max_queued},
         "run_dir": str(tmp / "run"),
         "models": [{"model_name": "echo", "engine": "echo", "replicas": replicas, "min_replicas": replicas,
-                    "max_seq_len": 4096}],
+                    "max_seq_len": 4096},
+                   # paced like a GPU (the timing model), for the abandoned streams: echo finishes a
+                   # 512-token stream in milliseconds, before any client could hang up
+                   {"model_name": "paced", "engine": "timing", "replicas": 1, "min_replicas": 1,
+                    "max_seq_len": 4096, "max_batch_size": 256}],
     }
     path = tmp / "site.yaml"
     path.write_text(yaml.safe_dump(site))
@@ -136,7 +140,7 @@ async def overload(url: str, streams: int, max_tokens: int, timeout: float) -> C
 async def abandon(url: str, count: int, max_tokens: int, timeout: float) -> int:
     """Open `count` streams, read each one's first event, hang up; completion tokens the clients saw."""
     seen = 0
-    body = {"model": "echo", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+    body = {"model": "paced", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
 
     async def one() -> None:
         nonlocal seen
@@ -189,7 +193,7 @@ def main() -> int:
             if args.abandon:
                 before = generated(url)
                 seen = asyncio.run(abandon(url, args.abandon, args.abandon_tokens, args.timeout))
-                time.sleep(3)  # let every stream end, aborted or not, and the replicas' stats arrive
+                time.sleep(args.abandon_tokens * 0.03)  # as long as a whole stream takes: each ended or aborted
                 extra = generated(url) - before
                 full = args.abandon * args.abandon_tokens
                 print(f"abandoned: {args.abandon} streams x {args.abandon_tokens} tokens closed after the first "
