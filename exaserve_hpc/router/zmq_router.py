@@ -179,8 +179,12 @@ class ZmqRouter:
             now = self.clock()
             if now >= next_tick:
                 self._send(self.dispatcher.tick(now))
+                snapshot = self.dispatcher.snapshot()
+                # Backpressure towards the gateways: replies waiting now, and the counts since start.
+                snapshot["gateway_backlog"] = {"waiting": sum(map(len, self._backlogs.values())),
+                                               **self.backlog_counters}
                 with self._snapshot_lock:
-                    self._snapshot = self.dispatcher.snapshot()
+                    self._snapshot = snapshot
                 next_tick = now + POLL_MS / 1000
 
     def _drain_socket(self, sock: zmq.Socket, handler: Callable[[bytes, memoryview], list[Outgoing]]) -> None:

@@ -96,6 +96,8 @@ def test_a_gateway_that_falls_behind_loses_no_chunk(replicas):
         incomplete = {rid: g for rid, g in got.items() if not g["finished"] or g["tokens"] != 1500}
         assert not incomplete, f"{len(incomplete)} streams lost chunks or their end: {list(incomplete.values())[:3]}"
         assert router.backlog_counters["failed_for_backlog"] == 0
+        wait_for(lambda: router.snapshot()["gateway_backlog"]["waiting"] == 0, timeout=2)
+        assert router.snapshot()["gateway_backlog"]["backlogged"] == router.backlog_counters["backlogged"]
     finally:
         router.stop()
         router.context.destroy(linger=0)
