@@ -14,31 +14,37 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .engine.registry import ENGINE_NAMES, engine_publishes_kv_events, unavailable_engines
 from .router.policies import POLICY_NAMES
+from .config_bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
 from .slurm.hostlist import expand_hostlist
 from .units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
 
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description=DURATION_FORMS)]
+# an interval or timeout where zero makes no sense (a busy loop, or nothing ever waited for)
+PositiveDuration = Annotated[float, BeforeValidator(parse_duration),
+                             Field(gt=0, description=DURATION_FORMS + ", more than 0")]
 Size = Annotated[int, BeforeValidator(parse_size), Field(description=SIZE_FORMS)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 NAME_FORMS = "1-64 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a YAML true is not 1 and a 1 is not true (ints stay ints, booleans booleans);
+    # no NaN or infinity in any number
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class SchedulerConfig(_Section):
     max_replicas_per_node: int = Field(16, ge=1)
     min_replicas_per_model: int = Field(4, ge=0)
-    rebalance_interval: Duration = 30.0
+    rebalance_interval: PositiveDuration = 30.0
     scale_up_threshold: float = Field(0.75, gt=0, le=1)
     scale_down_threshold: float = Field(0.25, ge=0, lt=1)
     cooldown_period: Duration = 120.0
-    tick_interval: Duration = 1.0
+    tick_interval: PositiveDuration = 1.0
     max_moves_per_round: int = Field(4, ge=0)
 
     @model_validator(mode="after")
@@ -52,7 +58,7 @@ class SchedulerConfig(_Section):
 
 
 class HeartbeatConfig(_Section):
-    interval: Duration = 5.0
+    interval: PositiveDuration = 5.0
     misses: int = Field(3, ge=1)
     # an agent that hears nothing from the controller this long stops its replicas and exits (0: never)
     controller_timeout: Duration = 60.0
@@ -170,7 +176,7 @@ class ClusterConfig(_Section):
     nvlink_domain_size: Optional[int] = Field(None, ge=1)  # GPUs per NVLink domain; None: whole node
     fault_groups: Optional[dict[Name, str]] = None  # group name -> hostlist
     fault_group_size: Optional[int] = Field(None, ge=1)  # or: consecutive nodes per group
-    time_limit: Optional[Duration] = None
+    time_limit: Optional[PositiveDuration] = None
     modules: list[str] = Field(default_factory=list)  # environment modules to load first
     # What the batch job asks Slurm for on each node (`exaserve submit`, exaserve_hpc/slurm/sbatch.py).
     # The defaults suit GPU nodes: the fleet plans with every GPU, CPU and byte of host memory (L2 in
@@ -179,6 +185,23 @@ class ClusterConfig(_Section):
     mem: Optional[MemRequest] = "all"  # per node: "all" (--mem=0, the whole node), a size, or null (partition default)
     cpus_per_task: Optional[int] = Field(None, ge=1, le=4096)  # the node's one task; None: every CPU the job holds there
     mpi: Literal["pmix", "pmi2", "none"] = "pmix"  # srun --mpi; none: ranks meet through the job directory
+
+    @field_validator("nodelist")
+    @classmethod
+    def _hostlist_bounded(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            expand_hostlist(value)  # bounded before expanding (slurm/hostlist.py); the error names this key
+        return value
+
+    @field_validator("fault_groups")
+    @classmethod
+    def _groups_bounded(cls, value: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        for group, expr in (value or {}).items():
+            try:
+                expand_hostlist(expr)
+            except ValueError as exc:
+                raise ValueError(f"fault group {group[:60]!r}: {exc}") from exc
+        return value
 
     @model_validator(mode="after")
     def _nodes_consistent(self) -> "ClusterConfig":
@@ -234,14 +257,15 @@ class RouterConfig(_Section):
     prefix_mode: Literal["approximate", "precise"] = "approximate"  # precise: fed by the replicas' KV events
     index_blocks: int = Field(1_000_000, ge=1024)  # block hashes the prefix index keeps (memory bound)
     max_attempts: int = Field(3, ge=1)
-    request_timeout: Duration = 300.0
-    first_token_timeout: Duration = 60.0
-    stall_timeout: Optional[Duration] = None  # a stream silent this long moves elsewhere; None: first_token_timeout
+    request_timeout: PositiveDuration = 300.0
+    first_token_timeout: PositiveDuration = 60.0
+    # a stream silent this long moves elsewhere; None: first_token_timeout
+    stall_timeout: Optional[PositiveDuration] = None
     coalesce_ms: float = Field(20.0, ge=0)
     coalesce_tokens: int = Field(16, ge=1)
     breaker_failures: int = Field(3, ge=1)
     breaker_cooloff: Duration = 10.0
-    replica_heartbeat: Duration = 1.0
+    replica_heartbeat: PositiveDuration = 1.0
     replica_misses: int = Field(3, ge=1)
     admin_key: Optional[str] = None  # when set, the rollout admin API needs `Authorization: Bearer <admin_key>`
 
@@ -355,6 +379,9 @@ def _require_unique(what: str, names: list[str]) -> None:
 # ---------------------------------------------------------------- loading
 
 
+MAX_PROBLEMS = 50  # problems listed at most (a file of a thousand bad keys needs no thousand lines)
+
+
 class ConfigProblem(BaseModel):
     path: str
     found: str
@@ -426,19 +453,40 @@ def _allowed_for(error: dict) -> str:
     return error["msg"].replace("Input should be ", "")
 
 
+def _brief(value: Any, depth: int = 0) -> str:
+    """A bounded repr: a few items of a container, the start of a string, the size of a huge integer. It
+    never walks a whole value, so an alias bomb's million-fold expansion is not rendered into a message."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 60 else repr(value[:57]) + "..."
+    if isinstance(value, (list, tuple, dict)):
+        if depth >= 2:
+            return "[...]" if not isinstance(value, dict) else "{...}"
+        more = ", ..." if len(value) > 3 else ""
+        if isinstance(value, dict):
+            items = [f"{_brief(k, 2)}: {_brief(v, depth + 1)}" for k, v in list(value.items())[:3]]
+            return "{" + ", ".join(items) + more + "}"
+        return "[" + ", ".join(_brief(v, depth + 1) for v in value[:3]) + more + "]"
+    return type(value).__name__
+
+
 def _found(error: dict) -> str:
     if error["type"] == "missing":
         return "nothing"
-    value = error.get("input")
-    text = repr(value)
+    text = _brief(error.get("input"))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def problems_from(exc: ValidationError) -> list[ConfigProblem]:
     problems = []
-    for error in exc.errors():
+    for error in exc.errors(include_input=True, include_url=False)[:MAX_PROBLEMS]:
         loc = error["loc"]
-        problems.append(ConfigProblem(path=_yaml_path(loc), found=_found(error), allowed=_allowed_for(error)))
+        allowed = _allowed_for(error)
+        problems.append(ConfigProblem(path=_yaml_path(loc)[:200], found=_found(error),
+                                      allowed=allowed if len(allowed) <= 300 else allowed[:297] + "..."))
     return problems
 
 
@@ -454,20 +502,23 @@ def parse_site(data: Any, source: str = "<config>") -> SiteConfig:
 
 
 def load_site(path: str | os.PathLike) -> SiteConfig:
-    """Read and validate a site config file; ConfigError lists every problem."""
+    """Read and validate a site config file; ConfigError lists every problem. Bounded whatever the file
+    holds (config_bounds.py): its size, nesting, alias expansion and integers are checked as it is read."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(str(path), [ConfigProblem(path="(file)", found=exc.strerror or str(exc),
-                                                    allowed="a readable YAML file")]) from exc
-    try:
-        data = yaml.safe_load(text)
+        text = read_config_text(path)
+        data = load_yaml(text)
+    except ConfigFileError as exc:
+        raise ConfigError(str(path), [ConfigProblem(path=exc.where, found=exc.found, allowed=exc.allowed)]) from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise ConfigError(str(path), [ConfigProblem(path=where, found=str(getattr(exc, "problem", exc)),
-                                                    allowed="valid YAML")]) from exc
+        found = str(getattr(exc, "problem", None) or exc)
+        raise ConfigError(str(path), [ConfigProblem(path=where, found=found[:200], allowed="valid YAML")]) from exc
+    problems = oversized_numbers(data)
+    if problems:
+        raise ConfigError(str(path), [ConfigProblem(path=_yaml_path(loc), found=found, allowed=allowed)
+                                      for loc, found, allowed in problems])
     return parse_site(data, str(path))
 
 

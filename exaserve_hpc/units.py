@@ -6,6 +6,7 @@ config loader can show them next to the YAML path that held the bad value.
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -29,39 +30,59 @@ DURATION_FORMS = 'a number of seconds or a string such as "500ms", "30s", "2m", 
 SIZE_FORMS = 'a number of bytes or a string such as "512MiB", "80GiB", "64GB"'
 
 
+MAX_DURATION = 366 * 86400.0  # a year: longer than any job, timeout or interval makes sense
+MAX_SIZE = 2**50  # 1 PiB: more than any node's memory or any checkpoint
+_MAX_TEXT = 64  # characters of a quantity written as text; longer is not one of the forms
+
+
+def _number(value: object, forms: str) -> float:
+    """The number in a YAML value (int, float or the numeric part of a string), finite, or ValueError."""
+    if isinstance(value, bool):  # YAML's true/false are not quantities
+        raise ValueError(forms)
+    if isinstance(value, int):
+        if value.bit_length() > 64:  # before float(): a 5000-digit integer must not overflow or stall
+            raise ValueError(f"a number below 2**64 (found an integer of {value.bit_length()} bits); {forms}")
+        number = float(value)
+    elif isinstance(value, float):
+        number = value
+    else:
+        raise ValueError(forms)
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"a finite number (found {number!r}); {forms}")
+    return number
+
+
 def parse_duration(value: object) -> float:
-    """Return seconds for 30, 2.5, "30s", "2m", "500ms", "1h"; ValueError (naming the forms) otherwise."""
-    if isinstance(value, bool):
-        raise ValueError(DURATION_FORMS)
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        match = _DURATION_RE.match(value)
+    """Return seconds for 30, 2.5, "30s", "2m", "500ms", "1h"; ValueError (naming the forms) otherwise.
+    Refused: booleans, NaN and infinities, negatives and more than a year (MAX_DURATION)."""
+    if isinstance(value, str):
+        match = _DURATION_RE.match(value) if len(value) <= _MAX_TEXT else None
         if not match:
             raise ValueError(DURATION_FORMS)
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+        seconds = _number(float(match.group(1)), DURATION_FORMS) * _DURATION_UNITS[match.group(2) or "s"]
     else:
-        raise ValueError(DURATION_FORMS)
+        seconds = _number(value, DURATION_FORMS)
     if seconds < 0:
         raise ValueError("a duration of zero or more")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"at most {MAX_DURATION:g} seconds (a year); found {seconds:g}")
     return seconds
 
 
 def parse_size(value: object) -> int:
-    """Return bytes for 1024, "512MiB", "80GiB", "64GB"; ValueError otherwise."""
-    if isinstance(value, bool):
-        raise ValueError(SIZE_FORMS)
-    if isinstance(value, (int, float)):
-        size = float(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
+    """Return bytes for 1024, "512MiB", "80GiB", "64GB"; ValueError otherwise.
+    Refused: booleans, NaN and infinities, negatives and more than 1 PiB (MAX_SIZE)."""
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value) if len(value) <= _MAX_TEXT else None
         if not match:
             raise ValueError(SIZE_FORMS)
-        size = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+        size = _number(float(match.group(1)), SIZE_FORMS) * _SIZE_UNITS[(match.group(2) or "").lower()]
     else:
-        raise ValueError(SIZE_FORMS)
+        size = _number(value, SIZE_FORMS)
     if size < 0:
         raise ValueError("a size of zero or more")
+    if size > MAX_SIZE:
+        raise ValueError(f"at most {MAX_SIZE} bytes (1 PiB); found {size:.4g}")
     return int(size)
 
 

@@ -10,6 +10,14 @@ from __future__ import annotations
 import re
 
 _ITEM_RE = re.compile(r"^([^\[\],]*)\[([^\]]+)\](.*)$")
+MAX_HOSTS = 65536  # names one expression may expand to (a site has at most a few thousand nodes)
+MAX_DIGITS = 12  # digits of one range bound
+_SHOWN = 60  # characters of an expression quoted in an error
+
+
+def _show(text: str) -> str:
+    """The expression as an error quotes it: bounded, so a megabyte of hostlist is not copied into a message."""
+    return repr(text if len(text) <= _SHOWN else text[:_SHOWN - 3] + "...")
 
 
 def _split_top_level(expr: str) -> list[str]:
@@ -21,43 +29,58 @@ def _split_top_level(expr: str) -> list[str]:
         elif ch == "]":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {expr!r}")
+                raise ValueError(f"unbalanced ']' in hostlist {_show(expr)}")
         if ch == "," and depth == 0:
             items.append("".join(current))
             current = []
         else:
             current.append(ch)
     if depth != 0:
-        raise ValueError(f"unbalanced '[' in hostlist {expr!r}")
+        raise ValueError(f"unbalanced '[' in hostlist {_show(expr)}")
     items.append("".join(current))
     return [item.strip() for item in items if item.strip()]
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """"n[1-3],x" -> ["n1", "n2", "n3", "x"]; ValueError naming the bad part."""
-    hosts: list[str] = []
+def expand_hostlist(expr: str, max_hosts: int = MAX_HOSTS) -> list[str]:
+    """"n[1-3],x" -> ["n1", "n2", "n3", "x"]; ValueError naming the bad part. The count is checked before
+    anything is expanded: more than `max_hosts` names (e.g. "n[1-9999999999]") is refused at once."""
+    if not isinstance(expr, str):
+        raise ValueError(f"a hostlist string such as \"n[1-4]\", not {type(expr).__name__}")
+    items = []
+    total = 0
     for item in _split_top_level(expr):
         match = _ITEM_RE.match(item)
         if not match:
             if "[" in item or "]" in item:
-                raise ValueError(f"bad hostlist item {item!r} in {expr!r}")
-            hosts.append(item)
+                raise ValueError(f"bad hostlist item {_show(item)} in {_show(expr)}")
+            items.append((item, None, "", ()))
+            total += 1
             continue
         prefix, ranges, suffix = match.groups()
         if "[" in suffix:
-            raise ValueError(f"only one bracket group per item is supported: {item!r}")
+            raise ValueError(f"only one bracket group per item is supported: {_show(item)}")
+        parts = []
         for part in ranges.split(","):
             bounds = part.strip().split("-")
-            if len(bounds) == 1 and bounds[0].isdigit():
-                hosts.append(f"{prefix}{bounds[0]}{suffix}")
-            elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
-                lo, hi = int(bounds[0]), int(bounds[1])
-                if hi < lo:
-                    raise ValueError(f"range {part!r} runs backwards in {expr!r}")
-                width = len(bounds[0]) if bounds[0].startswith("0") else 0
-                hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(lo, hi + 1))
-            else:
-                raise ValueError(f"bad range {part!r} in hostlist {expr!r}; use forms like 1-4 or 007")
+            if len(bounds) not in (1, 2) or not all(b.isdigit() and b.isascii() for b in bounds):
+                raise ValueError(f"bad range {_show(part)} in hostlist {_show(expr)}; use forms like 1-4 or 007")
+            if any(len(b) > MAX_DIGITS for b in bounds):
+                raise ValueError(f"range {_show(part)} in hostlist {_show(expr)}: at most {MAX_DIGITS} digits a bound")
+            lo, hi = int(bounds[0]), int(bounds[-1])
+            if hi < lo:
+                raise ValueError(f"range {_show(part)} runs backwards in {_show(expr)}")
+            total += hi - lo + 1
+            parts.append((lo, hi, len(bounds[0]) if bounds[0].startswith("0") else 0))
+        items.append((prefix, ranges, suffix, parts))
+        if total > max_hosts:
+            raise ValueError(f"hostlist {_show(expr)} names more than {max_hosts} hosts (at most {max_hosts})")
+    hosts: list[str] = []
+    for prefix, ranges, suffix, parts in items:
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for lo, hi, width in parts:
+            hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(lo, hi + 1))
     return hosts
 
 
