@@ -193,6 +193,19 @@ def cmd_model_verify(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
+# ---------------------------------------------------------------- simulate, capacity (sim/)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.run import cmd_simulate as run
+    return run(args, _load(args.site), err)
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from .sim.capacity_check import cmd_capacity as run
+    return run(args, _load(args.site), out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exaserve", description="Serve LLMs inside a Slurm allocation.")
     parser.add_argument("--version", action="version", version=f"exaserve-hpc {__version__}")
@@ -241,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
         plan = commands.add_parser("plan", help="place a site's replicas and print the plan")
         add_plan_arguments(plan)
         plan.set_defaults(func=cmd_plan)
+
+    simulate = commands.add_parser("simulate", help="simulate a workload on a site: the real controller and router "
+                                                    "in simulated time, with faults; report with plots")
+    from .sim.run import add_simulate_arguments
+    add_simulate_arguments(simulate, site_help)
+    simulate.set_defaults(func=cmd_simulate)
+    capacity = commands.add_parser("capacity", help="replicas per model for a workload's request rate and mix "
+                                                    "(30%% headroom), checked by the simulator")
+    from .sim.capacity_check import add_capacity_arguments
+    add_capacity_arguments(capacity, site_help)
+    capacity.set_defaults(func=cmd_capacity)
 
     from .router.admin_api import add_rollout_arguments, cmd_rollout
     from .launcher.rank import add_launch_arguments, cmd_launch

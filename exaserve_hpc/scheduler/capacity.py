@@ -131,3 +131,35 @@ def placeable_replicas(plan: Plan, topology: Topology, spec: ModelSpec, max_repl
         if placer.place(spec, f"{spec.name}/probe{k}") is None:
             return k, capacity_problem(spec, occ)
     return limit, ""
+
+
+@dataclass(frozen=True)
+class RequestMix:
+    """One model's demand: peak requests/s and mean request shape (a workload's, or given by hand)."""
+    model: str
+    qps: float
+    input_tokens: float
+    output_tokens: float
+
+
+def replicas_for_mix(specs: dict[str, ModelSpec], mixes: Iterable[RequestMix], replicas_per_device: dict[str, int],
+                     accel: Accelerator = A100_80GB, headroom: float = HEADROOM) -> list[CapacityEstimate]:
+    """Replicas per model for each mix, with `headroom`. A replica sharing its GPUs with others
+    (`replicas_per_device[model]` > 1: gpu_memory_utilization below 1) gets that share of their compute and
+    bandwidth, so its throughput is the roofline's divided by the sharing."""
+    out = []
+    for mix in mixes:
+        if mix.model not in specs:
+            raise ValueError(f"request mix for {mix.model!r}, which the site does not serve; its models: "
+                             f"{', '.join(sorted(specs))}")
+        spec = specs[mix.model]
+        t = replica_throughput(spec, max(0, round(mix.input_tokens)), max(1, round(mix.output_tokens)), accel)
+        share = max(1, replicas_per_device.get(mix.model, 1))
+        est = replicas_for_target(spec, mix.qps, round(mix.input_tokens), max(1, round(mix.output_tokens)), accel,
+                                  headroom, measured_requests_per_s=t.requests_per_s / share)
+        out.append(CapacityEstimate(est.model, est.replicas, est.requests_per_s_per_replica, headroom,
+                                    f"{mix.qps:g} req/s x {1 + headroom:.2f} / {est.requests_per_s_per_replica:.2f} "
+                                    f"req/s per replica (roofline, batch {t.batch} ({t.limited_by}), "
+                                    f"{mix.input_tokens:.0f} in / {mix.output_tokens:.0f} out tokens, GPU shared by "
+                                    f"{share}); floor min_replicas {spec.min_replicas}"))
+    return out

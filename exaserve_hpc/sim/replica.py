@@ -1,0 +1,256 @@
+"""A replica for the simulator: the timing engine's cost model, stepped in segments instead of batches.
+
+`engine/timing.py`'s TimingEngine runs the reference scheduler and block manager for every step: right
+for 16 replicas, too slow for 3,072 (a busy replica takes ~100 steps a simulated second). This model
+keeps what the fleet-level results depend on and charges every step with the same `GpuTimings.seconds`
+formula (step overhead, prefill tokens and attention pairs, decoding sequences, K/V read):
+- continuous batching: at most `max_batch` sequences; a step prefills chunks of the admitted prompts
+  (`chunk_tokens` a prompt, `step_tokens` a step, like vLLM's chunked prefill) beside one token for
+  every decoding sequence;
+- KV capacity in tokens: a request is admitted when its prompt + max_tokens fit beside the admitted ones
+  (reserved up front: no preemption), else it waits;
+- a prefix cache of workload blocks (LRU over the KV space no admitted request holds): an admitted prompt
+  computes only the blocks after its longest cached prefix;
+- GPUs shared by several replicas (gpu_memory_utilization < 1): a step takes as many times longer as
+  there are busy replicas on its GPU when it starts (`SharedGpus`);
+- `slow`: a multiplier on every step (a slow node).
+Steps with only decodes are taken in one segment up to the next sequence that finishes (closed form);
+a request arriving meanwhile cuts the segment at the next step boundary. Events: a first token (end of
+the prompt's last prefill step) and a finish, each stamped with its step's end.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from ..engine.timing import GpuTimings, StepSample
+
+
+@dataclass(eq=False)
+class SimSeq:
+    request_id: str
+    prompt: int  # tokens
+    max_tokens: int
+    blocks: tuple  # workload block ids of the prompt (prefix identity)
+    todo: int = 0  # prompt tokens still to compute
+    done: int = 0  # prompt tokens computed or cached
+    finish_at: int = 0  # decode step count at which it ends
+    reserved: int = 0  # KV tokens held
+    aborted: bool = False
+
+
+@dataclass
+class SharedGpus:
+    """Busy replicas per GPU (node, index) and the work done, for contention and utilisation."""
+    busy: dict = field(default_factory=dict)
+    work_s: float = 0.0  # GPU-seconds of uncontended step work (a step's seconds x its GPUs)
+
+    def factor(self, gpus: tuple) -> int:
+        return max((self.busy.get(g, 0) for g in gpus), default=1) or 1
+
+    def mark(self, gpus: tuple, delta: int) -> None:
+        for g in gpus:
+            self.busy[g] = self.busy.get(g, 0) + delta
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, model: str, timings: GpuTimings, *, max_batch: int, kv_tokens: int,
+                 block_tokens: int, chunk_tokens: int, step_tokens: int, gpus: tuple, shared: SharedGpus,
+                 slow: float = 1.0):
+        self.replica_id, self.model, self.t = replica_id, model, timings
+        self.max_batch, self.kv_tokens, self.block = max_batch, max(1, kv_tokens), block_tokens
+        self.chunk, self.step_tokens = chunk_tokens, step_tokens
+        self.gpus, self.shared, self.slow = gpus, shared, slow
+        self.waiting: deque[SimSeq] = deque()
+        self.prefilling: list[SimSeq] = []
+        self.decoding: list[tuple[int, int, SimSeq]] = []  # heap (finish_at, n, seq)
+        self.n_decoding = 0
+        self.ctx = 0  # K/V tokens the decoding sequences attend to
+        self.steps = 0  # decode steps taken
+        self.used = 0  # KV tokens reserved
+        self.cache: OrderedDict = OrderedDict()  # block id -> None, LRU first
+        self.by_id: dict[str, SimSeq] = {}
+        self.busy_until = 0.0
+        self.busy = False
+        self._seg: tuple = ()  # the segment in flight: (start, end, kind, steps)
+        self.version = 0  # bumps when the wake time changes (stale heap entries are skipped)
+        self.hit_tokens = self.query_tokens = 0
+        self.finished = 0
+        self.alive = True
+        self.draining_until = None  # set when its agent is asked to stop it
+        self._n = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def add(self, seq: SimSeq, now: float) -> bool:
+        """Queue a request; True when the caller must (re)schedule this replica's wake at `self.busy_until`."""
+        self.by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+        if not self.busy:
+            return self._start(now)
+        seg_start, seg_end, kind, steps = self._seg
+        if kind == "decode" and steps > 1 and self._admissible():
+            # cut the decode segment at the next step boundary so the prompt starts there
+            per = (seg_end - seg_start) / steps
+            done = min(steps, max(1, int((now - seg_start) / per) + 1))
+            if done < steps:
+                self._seg = (seg_start, seg_start + done * per, kind, done)
+                self.busy_until = seg_start + done * per
+                self.version += 1
+                return True
+        return False
+
+    def abort(self, request_id: str) -> None:
+        seq = self.by_id.pop(request_id, None)
+        if seq is None or seq.aborted:
+            return
+        seq.aborted = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
+        self.used -= seq.reserved
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        else:
+            self.n_decoding -= 1
+            self.ctx -= seq.prompt + (seq.max_tokens - (seq.finish_at - self.steps))
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + self.n_decoding
+
+    # ---------------------------------------------------------------- stepping
+
+    def _admissible(self) -> bool:
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        running = len(self.prefilling) + self.n_decoding
+        need = head.prompt + head.max_tokens
+        return running < self.max_batch and (self.used + need <= self.kv_tokens or running == 0)
+
+    def _admit(self) -> None:
+        while self._admissible():
+            seq = self.waiting.popleft()
+            seq.reserved = seq.prompt + seq.max_tokens
+            self.used += seq.reserved
+            hit = 0
+            for b in seq.blocks:
+                if b not in self.cache:
+                    break
+                self.cache.move_to_end(b)
+                hit += 1
+            cached = min(hit * self.block, seq.prompt - 1)
+            self.hit_tokens += max(0, cached)
+            self.query_tokens += seq.prompt
+            seq.done, seq.todo = max(0, cached), seq.prompt - max(0, cached)
+            self.prefilling.append(seq)
+
+    def _start(self, now: float) -> bool:
+        """Plan the next segment from `now`; False when there is nothing to do (idle)."""
+        self._admit()
+        if self.prefilling:
+            budget, tokens, pairs = self.step_tokens, 0, 0
+            for seq in self.prefilling:
+                n = min(seq.todo, self.chunk, budget)
+                if n <= 0:
+                    break
+                tokens += n
+                pairs += n * seq.done + n * (n + 1) // 2
+                budget -= n
+            base = self.t.seconds(StepSample(tokens, pairs, self.n_decoding, self.ctx + self.n_decoding))
+            kind, steps = "prefill", 1
+        elif self.n_decoding:
+            while self.decoding and self.decoding[0][2].aborted:
+                heapq.heappop(self.decoding)
+            k = max(1, self.decoding[0][0] - self.steps)
+            n, t = self.n_decoding, self.t
+            base = (k * (t.step_overhead_s + t.decode_per_seq_s * n + t.kv_read_per_token_s * (self.ctx + n))
+                    + t.kv_read_per_token_s * n * k * (k - 1) / 2)
+            kind, steps = "decode", k
+        else:
+            if self.busy:
+                self.busy = False
+                self.shared.mark(self.gpus, -1)
+            self._seg = ()
+            return False
+        if not self.busy:
+            self.busy = True
+            self.shared.mark(self.gpus, 1)
+        self.shared.work_s += base * len(self.gpus)
+        seconds = base * self.shared.factor(self.gpus) * self.slow
+        self._seg = (now, now + seconds, kind, steps)
+        self.busy_until = now + seconds
+        self.version += 1
+        return True
+
+    def wake(self, now: float) -> list[tuple[str, SimSeq]]:
+        """The segment in flight ended at `now` (== busy_until): its effects, then the next segment planned.
+        Returns [("first" | "done", seq)]; the caller reschedules at busy_until while `busy`."""
+        if not self._seg:
+            return []
+        _, _, kind, steps = self._seg
+        out: list[tuple[str, SimSeq]] = []
+        # every sequence decoding before this segment gained `steps` tokens
+        self.steps += steps
+        self.ctx += self.n_decoding * steps
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            _, _, seq = heapq.heappop(self.decoding)
+            if seq.aborted:
+                continue
+            self.n_decoding -= 1
+            self.ctx -= seq.prompt + seq.max_tokens
+            self._finish(seq, out)
+        if kind == "prefill":
+            budget = self.step_tokens
+            still = []
+            for seq in self.prefilling:
+                n = max(0, min(seq.todo, self.chunk, budget))
+                budget -= n
+                seq.todo -= n
+                seq.done += n
+                if seq.todo > 0:
+                    still.append(seq)
+                    continue
+                out.append(("first", seq))
+                if seq.max_tokens <= 1:
+                    self._finish(seq, out)
+                else:  # its first token came from the prefill; max_tokens - 1 decode steps to go
+                    seq.finish_at = self.steps + seq.max_tokens - 1
+                    self._n += 1
+                    heapq.heappush(self.decoding, (seq.finish_at, self._n, seq))
+                    self.n_decoding += 1
+                    self.ctx += seq.prompt + 1
+            self.prefilling = still
+        self._start(now)
+        return out
+
+    def _finish(self, seq: SimSeq, out: list) -> None:
+        self.used -= seq.reserved
+        self.by_id.pop(seq.request_id, None)
+        self.finished += 1
+        out.append(("done", seq))
+        cache = self.cache
+        for b in seq.blocks:
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        room = max(0, (self.kv_tokens - self.used) // self.block)
+        while len(cache) > room:
+            cache.popitem(last=False)
+
+    def drop_all(self) -> list[str]:
+        """The node died: everything it held is gone (the router finds out by itself)."""
+        ids = list(self.by_id)
+        self.by_id.clear()
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.decoding.clear()
+        self.n_decoding = self.ctx = self.used = 0
+        if self.busy:
+            self.shared.mark(self.gpus, -1)
+        self.busy, self.alive, self._seg = False, False, ()
+        self.version += 1
+        return ids

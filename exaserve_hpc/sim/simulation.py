@@ -1,0 +1,354 @@
+"""Discrete-event simulation of the running control plane: the real controller core and router dispatcher.
+
+One event heap in simulated seconds; nothing reads the wall clock, opens a socket or starts a thread.
+- The controller is `scheduler.controller.Controller` with `bind_socket=False` and the simulation's clock:
+  agents' hellos, heartbeats and replica events go to `Controller.handle`, `Controller.tick` runs every
+  `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
+  the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
+  scale-down choices are therefore the running code's.
+- The router is `router.dispatch.Dispatcher` with the site's policy (`control_plane.router_policy`) and
+  settings (`control_plane.dispatch_settings`), wrapped by `SimRouter`; requests go to it as the gateway
+  would send them (the prompt's block hashes precomputed in the router's scheme), its replies are
+  delivered to the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report
+  ReplicaStats every router.replica_heartbeat, and the dispatcher's tick runs every second.
+- Faults (workload.py) at their times; the controller finds a dead node by its missing heartbeats, the
+  router by its replicas' missing stats, exactly as in a real run. When the controller's own node dies the
+  requeue policy (`scheduler.requeue_policy`) is asked what rank 0 would do and its answer is recorded; the
+  successor job is not simulated (the controller carries on).
+After `duration` no request arrives; the run goes on until every accepted request has ended (at most
+`drain_limit` simulated seconds more).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..config import SiteConfig
+from ..control_plane import dispatch_settings, router_policy
+from ..engine.timing import timings_for
+from ..protocol import (
+    Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
+    StartReplica, StopReplica, TokenChunk,
+)
+from ..router.dispatch import GATEWAY, Dispatcher
+from ..scheduler.catalogue import catalogue_from_site
+from ..scheduler.controller import Controller
+from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
+from .fleet import SimAgent, SimRouter
+from .metrics import Recorder
+from .replica import SharedGpus, SimSeq
+from .workload import Workload, arrivals
+
+GATEWAY_ID = b"sim-gateway"
+
+
+class Simulation:
+    def __init__(self, site: SiteConfig, workload: Workload, duration: Optional[float] = None, seed: int = 0,
+                 sample_every: Optional[float] = None, run_dir: Optional[Path] = None, drain_limit: float = 900.0,
+                 on_progress: Optional[Callable[[float], None]] = None, static: bool = False):
+        """static: replicas fixed at the site's plan (the autoscaler decides nothing; failover still re-places)."""
+        self.site, self.workload = site, workload
+        self.duration = duration or workload.duration
+        self.seed = seed
+        self.drain_limit = drain_limit
+        self.now = 0.0
+        self._heap: list = []
+        self._n = 0
+        self.catalogue = catalogue_from_site(site)
+        self.timings = timings_for(site.cluster.gpu_kind)
+        self.gpus = SharedGpus()
+        self.replicas: dict = {}  # replica id -> SimReplica serving (alive)
+        self.models = {m.model_name for m in site.models}
+        unknown = set(workload.models()) - self.models
+        if unknown:
+            raise ValueError(f"workload {workload.name} sends requests for {', '.join(sorted(unknown))}, which the "
+                             f"site {site.site} does not serve; its models: {', '.join(sorted(self.models))}")
+        self._block = {s.model: s.block_tokens for s in workload.streams}
+        self.dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), self.models)
+        self.router = SimRouter(self.dispatcher, lambda: self.now)
+        hosts = site.cluster.hostnames()
+        self.agents = {h: SimAgent(h, self) for h in hosts}
+        self.ctl = Controller(site, self.router, clock=lambda: self.now, bind_socket=False, expected_agents=hosts,
+                              run_dir=run_dir)
+        self.static = static
+        if static:
+            self.ctl.autoscaler.tick = lambda loads, now: []  # hold every model at its planned count
+        self.controller_node = hosts[0]  # rank 0 runs on the first node of the allocation
+        hasher = getattr(self.dispatcher.policy, "hasher", None)
+        self._hasher = hasher if getattr(self.dispatcher.policy, "uses_prefix", False) else None
+        self.rec = Recorder(sample_every or max(1.0, self.duration / 240))
+        self.on_progress = on_progress
+        self.requests: dict[str, tuple] = {}  # request id -> (workload Request, arrival, first token time)
+        self.requeue: Optional[dict] = None
+        self.wall_events = 0
+
+    # ---------------------------------------------------------------- event plumbing
+
+    def later(self, t: float, fn: Callable, *args) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (t, self._n, fn, args))
+
+    def to_controller(self, t: float, agent: str, message) -> None:
+        self.later(t, self._deliver_controller, agent, message)
+
+    def _deliver_controller(self, now: float, agent: str, message) -> None:
+        if self.agents[agent].alive:
+            self.ctl.handle(agent, message)
+            self._flush()
+
+    def to_router(self, replica_id: str, message) -> None:
+        self._send(self.dispatcher.on_replica_message(replica_id, message, self.now))
+
+    def block_tokens(self, model: str) -> int:
+        return self._block.get(model, 64)
+
+    def _flush(self) -> None:
+        """Carry out what the controller and router left to send."""
+        for agent_id, message in self.ctl.fleet.take_outbox():
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                continue
+            if isinstance(message, StartReplica):
+                agent.on_start(message, self.now)
+            elif isinstance(message, StopReplica):
+                agent.on_stop(message, self.now)
+        if self.router.out:
+            out, self.router.out = self.router.out, []
+            self._send(out)
+
+    def _send(self, out: list) -> None:
+        now, rec = self.now, self.rec
+        for o in out:
+            m = o.message
+            if o.side == GATEWAY:
+                rid = m.request_id
+                if isinstance(m, TokenChunk):
+                    info = self.requests.get(rid)
+                    if info is None:
+                        continue
+                    if info[2] < 0:
+                        rec.first_token(now - info[1])
+                        info[2] = now
+                    if m.finished:
+                        rec.done(now - info[1])
+                        del self.requests[rid]
+                elif isinstance(m, RequestError):
+                    if self.requests.pop(rid, None) is not None:
+                        rec.error(m.code)
+                continue
+            replica = self.replicas.get(o.peer.decode())
+            if replica is None:
+                continue  # a dead replica: the message is lost, as on a dead node
+            if isinstance(m, GenerateRequest):
+                info = self.requests.get(m.request_id)
+                blocks = info[0].blocks if info is not None else ()
+                if replica.add(SimSeq(m.request_id, len(m.prompt_token_ids), m.max_tokens, blocks), now):
+                    self.later(replica.busy_until, self._wake, replica, replica.version)
+            elif isinstance(m, Abort):
+                replica.abort(m.request_id)
+
+    # ---------------------------------------------------------------- events
+
+    def _wake(self, now: float, replica, version: int) -> None:
+        if version != replica.version or not replica.alive:
+            return  # rescheduled since, or dead
+        out = []
+        rid = replica.replica_id
+        for kind, seq in replica.wake(now):
+            if kind == "first":
+                out += self.dispatcher.on_replica_message(
+                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
+                                    finish_reason="length" if seq.max_tokens <= 1 else None), now)
+            elif seq.max_tokens > 1:
+                out += self.dispatcher.on_replica_message(
+                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - 1), finished=True,
+                                    finish_reason="length"), now)
+        if replica.busy:
+            self.later(replica.busy_until, self._wake, replica, replica.version)
+        if out:
+            self._send(out)
+
+    def _arrive(self, now: float, it, request) -> None:
+        k = self.rec.arrivals
+        self.rec.arrivals += 1
+        rid = f"q{k}"
+        self.requests[rid] = [request, now, -1.0]
+        hashes, scheme = [], ""
+        if self._hasher is not None:
+            count = self._hasher.blocks(request.prompt)
+            sub = max(1, request.block_tokens // self._hasher.block_size)
+            hashes = [h * sub + j for h in request.blocks for j in range(sub)][:count]
+            hashes += [-(k << 12) - j for j in range(count - len(hashes))]  # the prompt's own tail
+            scheme = self._hasher.scheme
+        req = GenerateRequest(request_id=rid, model=request.model, prompt_token_ids=[0] * request.prompt,
+                              max_tokens=request.max_tokens, prefix_hashes=hashes, prefix_scheme=scheme)
+        self._send(self.dispatcher.on_request(GATEWAY_ID, req, now))
+        nxt = next(it, None)
+        if nxt is not None:
+            self.later(nxt.arrival, self._arrive, it, nxt)
+
+    def _heartbeats(self, now: float) -> None:
+        for agent in self.agents.values():
+            if agent.alive:
+                agent.seq += 1
+                self.ctl.handle(agent.node, AgentHeartbeat(agent_id=agent.node, seq=agent.seq))
+        self._flush()
+        self.later(now + self.site.heartbeat.interval, self._heartbeats)
+
+    def _controller_tick(self, now: float) -> None:
+        self.ctl.tick(now)
+        self._flush()
+        if self.requeue is None and self.ctl.lost_at:
+            snap = self.ctl.snapshot()
+            decision = requeue_decision(RequeueSnapshot(len(self.agents), snap.live_nodes(), snap.lost_nodes(),
+                                                        controller_node=self.controller_node))
+            if decision.requeue:
+                self.requeue = {"at": now, "reason": decision.reason.value, "exclude": list(decision.exclude),
+                                "why": decision.why}
+                self.rec.event(now, f"requeue decided: {decision.why} (successor job not simulated)")
+        self.later(now + self.site.scheduler.tick_interval, self._controller_tick)
+
+    def _router_tick(self, now: float) -> None:
+        stats = []
+        for rid, r in self.replicas.items():
+            stats.append((rid, ReplicaStats(replica_id=rid, queue_depth=len(r.waiting),
+                                            running=len(r.prefilling) + r.n_decoding, kv_used=r.used / r.kv_tokens,
+                                            requests_finished=r.finished, prefix_hit_tokens=r.hit_tokens,
+                                            prefix_query_tokens=r.query_tokens, kv_blocks_cached=len(r.cache))))
+        out = []
+        for rid, message in stats:
+            out += self.dispatcher.on_replica_message(rid, message, now)
+        out += self.dispatcher.tick(now)
+        self._send(out)
+        self.later(now + self.site.router.replica_heartbeat, self._router_tick)
+
+    def _sample(self, now: float) -> None:
+        serving: dict[str, int] = {m: 0 for m in sorted(self.models)}
+        gpus = set()
+        for r in self.ctl.replicas.values():
+            if r.serving:
+                serving[r.model] = serving.get(r.model, 0) + 1
+            if r.assignment is not None:
+                gpus.update((stage.node, g) for stage in r.assignment.stages for g in stage.gpus)
+        queue = len(self.dispatcher.pending) + sum(len(r.waiting) for r in self.replicas.values())
+        hit = sum(r.hit_tokens for r in self.replicas.values()) + self._gone_hits[0]
+        query = sum(r.query_tokens for r in self.replicas.values()) + self._gone_hits[1]
+        self.rec.close(now, self.gpus.work_s, len(gpus), len(self.agents) * self.site.cluster.gpus_per_node, serving,
+                       queue, len(self.dispatcher.inflight), hit, query, sum(a.alive for a in self.agents.values()))
+        if self.on_progress is not None:
+            self.on_progress(now)
+        if now < self.duration or self.requests:
+            self.later(now + self.rec.interval, self._sample)
+
+    def _fault(self, now: float, fault) -> None:
+        group_of = self.ctl.fleet.group_of()
+        if fault.kind == "slow_node":
+            self.agents[fault.node].set_slow(fault.factor)
+            self.rec.event(now, f"node {fault.node} slowed x{fault.factor:g}")
+            return
+        if fault.kind == "node_loss":
+            nodes = [fault.node]
+        elif fault.kind == "controller_node_loss":
+            nodes = [self.controller_node]
+        else:
+            nodes = sorted(n for n, g in group_of.items() if g == fault.group)
+        if not nodes or any(n not in self.agents for n in nodes):
+            raise ValueError(f"fault {fault.kind} at {fault.at:g}s names unknown nodes or group "
+                             f"({fault.node or fault.group}); nodes: {', '.join(list(self.agents)[:4])}...")
+        held = 0
+        for n in nodes:
+            for r in self.agents[n].replicas.values():
+                self._gone_hits[0] += r.hit_tokens
+                self._gone_hits[1] += r.query_tokens
+            held += self.agents[n].die()
+        what = {"node_loss": f"node {nodes[0]}", "controller_node_loss": f"the controller's node {nodes[0]}"}.get(
+            fault.kind, f"fault group {fault.group} ({len(nodes)} nodes)")
+        self.rec.event(now, f"{what} lost with {held} requests in flight")
+
+    # ---------------------------------------------------------------- run
+
+    def run(self) -> dict:
+        """Run to the end; the control plane's loggers are quiet meanwhile (a lost node is a line per replica)."""
+        quiet = [logging.getLogger(name) for name in ("exaserve", "exaserve_hpc")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.CRITICAL)
+        try:
+            return self._run()
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
+
+    def _run(self) -> dict:
+        self._gone_hits = [0, 0]
+        gpus = [GpuInfo(index=i, name=self.site.cluster.gpu_kind, memory_total=self.site.cluster.gpu_memory)
+                for i in range(self.site.cluster.gpus_per_node)]
+        mem = self.site.cluster.gpu_memory
+        pool = MemoryPoolStatus(block_size=1 << 30, total=[mem] * len(gpus), free=[mem] * len(gpus))
+        for h in self.agents:
+            self.ctl.handle(h, AgentHello(agent_id=h, hostname=h, pid=1, gpus=gpus, host_memory_total=1 << 40,
+                                          memory=pool))
+        self._flush()
+        # requests start once the first placement has had time to load (a real job opens its gateway then too)
+        start = max(a.load_seconds(self.catalogue[m]) for a in list(self.agents.values())[:1] for m in self.models) + 1
+        self.t0 = start
+        it = _Shifted(arrivals(self.workload, self.duration, seed=self.seed), start)
+        first = next(it, None)
+        if first is not None:
+            self.later(first.arrival, self._arrive, it, first)
+        for fault in self.workload.faults:
+            self.later(start + fault.at, self._fault, fault)
+        self.later(0.5, self._heartbeats)
+        self.later(self.site.scheduler.tick_interval, self._controller_tick)
+        self.later(self.site.router.replica_heartbeat, self._router_tick)
+        self.later(start + self.rec.interval, self._sample)
+        end = start + self.duration
+        heap = self._heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            if t > end and not self.requests:
+                break
+            if t > end + self.drain_limit:
+                break
+            self.now = t
+            fn(t, *args)
+            self.wall_events += 1
+        return self.summary()
+
+    def summary(self) -> dict:
+        rec, d = self.rec, self.dispatcher.counters
+        lost = rec.arrivals - rec.completed
+        return {
+            "site": self.site.site, "workload": self.workload.name, "duration_s": self.duration,
+            "simulated_s": round(self.now - self.t0, 3), "requests": rec.arrivals, "accepted": d["accepted"],
+            "completed": rec.completed, "failed": rec.failed, "lost": lost, "errors": dict(rec.errors),
+            "retries": d["retries"], "ttft_p50_s": rec.ttft_all.quantile(0.5), "ttft_p99_s": rec.ttft_all.quantile(0.99),
+            "e2e_p50_s": rec.e2e_all.quantile(0.5), "e2e_p99_s": rec.e2e_all.quantile(0.99),
+            "ttft_mean_s": rec.ttft_all.mean, "gpu_util_allocated": rec.work_s / max(1e-9, rec.gpu_seconds_allocated),
+            "gpu_seconds_allocated": rec.gpu_seconds_allocated, "gpu_work_seconds": rec.work_s,
+            "peak_qps": max((b.arrivals - a.arrivals) / rec.interval for a, b in zip(rec.samples, rec.samples[1:]))
+            if len(rec.samples) > 1 else 0.0,
+            "replicas_placed_max": max((sum(s.replicas.values()) for s in rec.samples), default=0),
+            "requeue": self.requeue, "events": rec.events, "nodes_lost": sorted(self.ctl.lost_at),
+            "slo": {"ttft_p99_s": self.workload.slo_ttft_p99, "e2e_p99_s": self.workload.slo_e2e_p99},
+            "slo_held": (rec.ttft_all.quantile(0.99) <= self.workload.slo_ttft_p99
+                         and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99 and lost == 0),
+            "static": self.static,
+        }
+
+
+class _Shifted:
+    """The workload's arrival iterator with every arrival moved by the start-up time."""
+
+    def __init__(self, it, offset: float):
+        self.it, self.offset = it, offset
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        r = next(self.it)
+        return type(r)(r.arrival + self.offset, r.model, r.prompt, r.max_tokens, r.blocks, r.block_tokens)
