@@ -264,7 +264,7 @@ def test_a_preferred_placement_is_honoured_where_it_has_room(tmp_path):
 
 
 def test_restored_placement_sends_replicas_back_to_their_nodes(make_controller):
-    from exaserve_hpc.checkpoint import ControllerState
+    from exaserve_hpc.controller_state import ControllerState
     controller, _, (a, b) = make_controller(agents=("a", "b"), replicas=2)
     controller.stop()  # a fresh one, restored before it starts
     site, router = controller.site, controller.router

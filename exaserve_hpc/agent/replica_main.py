@@ -362,6 +362,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
+    # Slurm's time-limit warning (--signal=USR1@T) reaches every process of the step; its default action
+    # would kill the replica with requests in flight. The agent orders the drain instead.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         if spec.stage is not None and spec.stage.rank > 0:  # a later pipeline stage: no router, no engine loop
             return pipeline_stage.run_stage(spec, args, reporter)

@@ -2,7 +2,7 @@
 blocks to an HDF5 file on shared storage; the replica that replaces it loads
 them, so the first requests after the move hit the prefix cache.
 
-Not the controller's HDF5 checkpoint (``exaserve_hpc/checkpoint.py``): this
+Not the controller's HDF5 checkpoint (``exaserve_hpc/controller_state.py``): this
 file holds one engine's cache contents and nothing about placement.
 
 File layout (``FORMAT``), n blocks hottest first and prefix-closed (each
@@ -35,10 +35,10 @@ import os
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from exaserve_hpc.cache.manifest import fsync_dir
+from exaserve_hpc.controller_state import open_h5  # no HDF5 file locks: shared filesystems may lack flock
 
 FORMAT = "exaserve-kv-snapshot-v1"
 _DATASETS = ("block_hash", "parent_hash", "token_ids", "hits", "k", "v")
@@ -88,7 +88,7 @@ def write_kv_snapshot(engine, path: str | os.PathLike, max_blocks: int) -> int:
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp.{os.uname().nodename}.{os.getpid()}")  # shared FS
     try:
-        with h5py.File(tmp, "w") as f:
+        with open_h5(tmp, "w") as f:
             f.attrs.update(format=FORMAT, model_identity=engine.model_identity(), block_size=bs,
                            kv_cache_dtype=engine.kv_cache_dtype,
                            block_shape=np.array(kv.block_shape, np.int64),
@@ -109,7 +109,7 @@ def write_kv_snapshot(engine, path: str | os.PathLike, max_blocks: int) -> int:
 
 def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     try:
-        with h5py.File(path, "r") as f:
+        with open_h5(path, "r") as f:
             attrs = {key: f.attrs[key] for key in f.attrs}
             if attrs.get("format") != FORMAT:
                 raise KVSnapshotError(f"{path} has format {attrs.get('format')!r}, expected "
