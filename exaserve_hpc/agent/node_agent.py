@@ -52,6 +52,7 @@ log = logging.getLogger("exaserve.agent")
 DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
 EXIT_BAD_GRANT = 2  # the site asks for more GPUs per node than this node was granted
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when its controller went silent
+STOPPED_UNASKED = "stopped on its own"  # a replica's stop its agent did not ask for (scheduler/controller.py)
 
 
 def estimate_replica_bytes(spec: StartReplica) -> int:
@@ -320,8 +321,13 @@ class NodeAgent:
         if parsed is None:
             log.warning("bad status line from %s: %r", slot.replica_id, line)
         elif isinstance(parsed[0], ReplicaState):
-            if parsed[0] is not slot.state:  # "loading" again from the replica: same step, L2 -> L1 now
-                self._move(slot, parsed[0], parsed[1])
+            state, detail = parsed
+            if state is ReplicaState.STOPPED and not slot.stop_deadline and not self.shutting_down:
+                # Nobody here asked it to stop (the router dropped it after a stall and told it to drain):
+                # the controller restarts it rather than take it for its node leaving.
+                detail = STOPPED_UNASKED + (f": {detail}" if detail else "")
+            if state is not slot.state:  # "loading" again from the replica: same step, L2 -> L1 now
+                self._move(slot, state, detail)
         else:
             slot.l1_done, slot.l1_total = parsed
 

@@ -39,6 +39,7 @@ import zmq
 
 from .. import metrics
 from ..agent.lifecycle import ReplicaState
+from ..agent.node_agent import STOPPED_UNASKED
 from ..config import SiteConfig
 from ..protocol import (
     AgentHeartbeat, AgentHello, DecodeError, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello,
@@ -315,6 +316,10 @@ class Controller:
         if record is None or record.agent_id != agent_id:
             return
         state = ReplicaState(event.state)
+        if state is ReplicaState.STOPPED and event.detail.startswith(STOPPED_UNASKED) and not record.stopping:
+            # Neither we nor its agent stopped it (the router dropped it after a stall, then told it to
+            # drain): a failure to restart in place, not its node leaving.
+            state = ReplicaState.FAILED
         record.state = state
         record.detail = event.detail
         record.transitions.append((state.value, event.seconds_in_previous_state))
