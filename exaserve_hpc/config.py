@@ -62,6 +62,9 @@ class HeartbeatConfig(_Section):
     misses: int = Field(3, ge=1)
     # an agent that hears nothing from the controller this long stops its replicas and exits (0: never)
     controller_timeout: Duration = 60.0
+    # after misses x interval of silence a node is only suspected: a heartbeat within this grace cancels
+    # the loss before anything is torn down (overload delays heartbeats). None: one interval
+    grace: Optional[Duration] = None
 
     @model_validator(mode="after")
     def _timeout_outlasts_heartbeats(self) -> "HeartbeatConfig":
@@ -72,8 +75,12 @@ class HeartbeatConfig(_Section):
 
     @property
     def expiry(self) -> float:
-        """Seconds of silence after which a peer is declared lost."""
+        """Seconds of silence after which a peer is suspected (and, `loss_grace` later, declared lost)."""
         return self.interval * self.misses
+
+    @property
+    def loss_grace(self) -> float:
+        return self.interval if self.grace is None else self.grace
 
 
 class BatchingConfig(_Section):

@@ -286,6 +286,9 @@ class Controller:
         if agent is None:
             return  # a heartbeat from before our restart: the agent's hello will follow
         agent.last_seen = now
+        if agent.silent_since and not agent.lost:
+            log.warning("node %s heard again after %.1fs of silence: not lost", agent_id, now - agent.silent_since)
+        agent.silent_since = 0.0
         if agent.lost:
             log.warning("agent %s is back after being declared lost", agent_id)
             agent.lost = False
@@ -298,6 +301,8 @@ class Controller:
                     record.pid = status.pid
                     record.load_progress, record.load_source = status.load_progress, status.load_source
                     record.load_bytes_done, record.load_bytes_total = status.load_bytes_done, status.load_bytes_total
+                elif record is not None and self._adoptable(record, agent_id, status):
+                    self._adopt(record, agent_id, status)
                 elif record is not None and not ReplicaState(status.state).terminal:
                     # An agent declared lost came back (a stall, not a death) while its replica was
                     # re-placed elsewhere: one copy must go, and it is the stale one.
@@ -308,6 +313,22 @@ class Controller:
             self._on_replica_event(agent_id, message, now)
         elif isinstance(message, LoadFailed):
             self.weights.on_load_failed(agent_id, message)
+
+    def _adoptable(self, record: ReplicaRecord, agent_id: str, status) -> bool:
+        """The node that came back still runs `record`, which found no other home meanwhile."""
+        lost = record.lost_assignment
+        return (lost is not None and record.assignment is None and not record.stopping and lost.node == agent_id
+                and not ReplicaState(status.state).terminal
+                and all(n in self.agents and not self.agents[n].lost for n in lost.nodes))
+
+    def _adopt(self, record: ReplicaRecord, agent_id: str, status) -> None:
+        record.assignment, record.lost_assignment = record.lost_assignment, None
+        record.agent_id, record.pid = agent_id, status.pid
+        record.state = ReplicaState(status.state)
+        record.tried_agents.discard(agent_id)
+        record.detail = f"adopted: still running on {agent_id}, which came back"
+        log.warning("replica %s adopted: %s came back still running it (not restarted)", record.replica_id,
+                    agent_id)
 
     def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
         if self.fleet.pipelines.on_stage_event(event):  # a later pipeline stage's process (pipeline.py)
@@ -349,9 +370,15 @@ class Controller:
     def tick(self, now: float) -> None:
         """Periodic work (fleet lock held): lost nodes, restarts, autoscaling, rollouts, OOM guard,
         placement and rebalancing, demand samples and L2 prefetch."""
-        expiry = self.site.heartbeat.expiry
+        expiry, grace = self.site.heartbeat.expiry, self.site.heartbeat.loss_grace
         for agent in list(self.agents.values()):
-            if not agent.lost and now - agent.last_seen > expiry:
+            silent = now - agent.last_seen
+            if agent.lost or silent <= expiry:
+                continue
+            if not agent.silent_since:  # suspected only: a heartbeat within the grace cancels it
+                agent.silent_since = now
+                log.warning("node %s silent for %.1fs; lost in %.1fs unless heard", agent.agent_id, silent, grace)
+            if silent > expiry + grace:
                 agent.lost = True
                 self.lost_at[agent.agent_id] = now
                 metrics.NODES_LOST.inc()

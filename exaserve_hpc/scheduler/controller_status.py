@@ -37,7 +37,7 @@ def controller_status(ctl: "Controller") -> dict:
                            "liveness": ctl.liveness() or "ok", **ctl.peers.status(time.monotonic())},
             "agents": [
                 {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
-                 "state": "lost" if a.lost else "alive",
+                 "state": "lost" if a.lost else ("silent" if a.silent_since else "alive"),
                  "heartbeat_age": round(ctl.clock() - a.last_seen, 3),
                  "lost_since": (round(time.time() - (ctl.clock() - ctl.lost_at[a.agent_id]), 3)
                                 if a.lost and a.agent_id in ctl.lost_at else None),

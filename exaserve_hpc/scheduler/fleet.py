@@ -231,6 +231,7 @@ class Fleet:
         """Start `record` where `assignment` (or its current one) puts it."""
         if assignment is not None:
             record.assignment = assignment
+        record.lost_assignment = None  # placed again: a copy on a node that comes back is the stale one
         record.agent_id = record.assignment.node
         record.state = ReplicaState.PENDING
         record.detail = f"starting on {record.agent_id}"

@@ -41,6 +41,7 @@ class AgentRecord:
     inventory: dict = field(default_factory=dict)  # the node as the topology sees it (live_placement.hello_inventory)
     suspect: str = ""  # why a replica failed here past its restart limit (shown in status); "" = none
     leaving: str = ""  # why it takes no new replica: it stopped one unasked (a graceful leave); "" = staying
+    silent_since: float = 0.0  # clock() when it passed heartbeat.expiry unheard (suspected, not yet lost); 0 = heard
 
     @classmethod
     def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":
@@ -89,6 +90,9 @@ class ReplicaRecord:
     kv_snapshot_in: str = ""  # a moved replica starts from the KV snapshot its predecessor wrote
     failure: str = ""  # why it left its last node for good (past its restart limit there), for status
     given_up: str = ""  # why it is not placed again (e.g. a bad checkpoint); "" = placement retries
+    # where it ran when its node was lost and no other node had room: adopted again if that node comes
+    # back still running it before it is placed elsewhere
+    lost_assignment: Optional[Assignment] = None
 
     @property
     def serving(self) -> bool:

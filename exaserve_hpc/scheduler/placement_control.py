@@ -136,6 +136,7 @@ class PlacementControl:
         for replacement in decision.replacements:
             record = fleet.replicas[replacement.replica_id]
             if replacement.new is None:
+                record.lost_assignment = record.assignment  # adopted if the node comes back still running it
                 fleet.unplace(record, f"node {node} lost; not placed: {replacement.reason}")
                 continue
             # A pipeline-parallel replica's surviving stages stop with it (stage processes: see fleet.py).
