@@ -155,8 +155,11 @@ class Job:
         subprocess.run(["scancel", str(self.job_id)], capture_output=True)
 
 
-def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "") -> Job:
-    launcher = f"{sys.executable} -m exaserve_hpc.launcher --port 0 {launcher_args}".rstrip()
+def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "",
+           port: Optional[int] = 0) -> Job:
+    """`exaserve submit` the site's job; `port`: the gateway's --port (None: the site's gateway.port)."""
+    port_flag = "" if port is None else f"--port {port} "
+    launcher = f"{sys.executable} -m exaserve_hpc.launcher {port_flag}{launcher_args}".rstrip()
     result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
                              str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
                              f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60)
