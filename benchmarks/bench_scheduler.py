@@ -86,7 +86,7 @@ def controller_run(site, greetings: list[AgentHello], lost: str) -> tuple[float,
     placed = time.perf_counter() - t
     first = starts(ctl.fleet.take_outbox())
     held = sum(lost in r.assignment.nodes for r in ctl.replicas.values() if r.assignment is not None)
-    clock[0] = site.heartbeat.expiry + 1.0
+    clock[0] = site.heartbeat.expiry + site.heartbeat.loss_grace + 1.0  # suspected, then lost
     for agent in ctl.agents.values():
         if agent.agent_id != lost:
             agent.last_seen = clock[0]

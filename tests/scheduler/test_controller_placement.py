@@ -124,7 +124,7 @@ def test_a_lost_node_is_re_placed_as_failover_computes_and_the_spread_holds(tmp_
     serve_all(ctl, starts(ctl))
     plan, topo, cat = ctl.fleet.plan(), topology_from_site(site), catalogue_from_site(site)
     expected = failover(plan, topo, cat, ["n1"], site.scheduler.max_replicas_per_node)
-    clock.now += site.heartbeat.expiry + 1
+    clock.now += site.heartbeat.expiry + site.heartbeat.loss_grace + 1  # suspected, then lost
     for node in ("n2", "n3", "n4"):
         ctl.agents[node].last_seen = clock.now
     ctl.tick(clock.now)

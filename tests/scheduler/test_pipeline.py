@@ -106,7 +106,7 @@ def test_a_lost_stage_node_moves_the_whole_replica_to_a_new_attempt(tmp_path):
     ctl, clock, site = pp_controller(tmp_path)
     (node0, _), (node1, _) = sent_starts(ctl)
     ctl.handle(node0, ReplicaEvent(agent_id=node0, replica_id="pp/r0000", state="serving"))
-    clock.now += site.heartbeat.expiry + 1
+    clock.now += site.heartbeat.expiry + site.heartbeat.loss_grace + 1  # suspected, then lost
     for node in ("n1", "n2", "n3"):  # every node but the stage-1 node was heard from lately
         if node != node1:
             ctl.agents[node].last_seen = clock.now
