@@ -24,10 +24,12 @@ import shutil
 import signal
 import socket as pysocket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+import msgspec
 import zmq
 
 from ..cache.checkpoint import CheckpointError
@@ -117,6 +119,13 @@ class NodeAgent:
         self.pool = node_pool(l2_capacity, pool_bytes, block_size, self.grant)
         self._seq = 0
         self._heartbeat_due = False  # a replica process started: its pid goes out before its first event
+        # Heartbeats go out from their own thread (_beat_loop): a busy loop (a replica being spawned, a slow
+        # pool or NVML call) delays commands, never the controller's proof that this node lives.
+        self._socket_lock = threading.RLock()  # the socket is shared with that thread: every use holds it
+        self._beat: Optional[AgentHeartbeat] = None  # the latest heartbeat the loop composed
+        self._beat_at = 0.0
+        self._beat_now = threading.Event()
+        self._beat_stop = threading.Event()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, agent_id.encode())
@@ -132,6 +141,9 @@ class NodeAgent:
                               node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0],
                               memory=self.pool.status(), l2=self.cache.status(time.monotonic())))
         next_heartbeat = 0.0
+        beats = threading.Thread(target=self._beat_loop, name="exaserve-agent-heartbeat", daemon=True)
+        self._heartbeat()  # the thread has a beat to send even if the loop's first round hangs
+        beats.start()
         try:
             while True:
                 poller = zmq.Poller()
@@ -139,7 +151,8 @@ class NodeAgent:
                 for slot in self.replicas.values():
                     if slot.status_fd >= 0:
                         poller.register(slot.status_fd, zmq.POLLIN)
-                events = dict(poller.poll(100))
+                with self._socket_lock:  # the heartbeat thread waits for at most this poll
+                    events = dict(poller.poll(100))
                 if self.socket in events:
                     self._receive()
                 self._read_status_pipes()
@@ -161,6 +174,9 @@ class NodeAgent:
                     self._heartbeat()
                     return self.exit_code
         finally:
+            self._beat_stop.set()  # the last heartbeat (composed above) goes, then the thread ends
+            self._beat_now.set()
+            beats.join(2.0)
             self._kill_all()
             self.loader.close()
             if not self.keep_l2:
@@ -175,7 +191,9 @@ class NodeAgent:
     # ---------------------------------------------------------------- commands
 
     def _receive(self) -> None:
-        for message in receive_pending(self.socket, 1000, log):
+        with self._socket_lock:  # read under the lock, handled outside it (a start may take a while)
+            pending = list(receive_pending(self.socket, 1000, log))
+        for message in pending:
             self.controller_heard = time.monotonic()
             if isinstance(message, StartReplica):
                 self.start(message)
@@ -420,14 +438,38 @@ class NodeAgent:
     def _heartbeat(self) -> None:
         self._seq += 1
         gpus, _ = read_gpus() if self._seq % 5 == 1 else ([], "")
-        self._send(AgentHeartbeat(agent_id=self.agent_id, seq=self._seq,
+        self._compose_beat(AgentHeartbeat(agent_id=self.agent_id, seq=self._seq,
                                   replicas=[slot.status() for slot in self.replicas.values()],
                                   gpus=gpus, host_memory_used=host_memory()[1], memory=self.pool.status(),
                                   l2=self.cache.status(time.monotonic())))
 
+    def _compose_beat(self, beat: AgentHeartbeat) -> None:
+        """The loop's newest heartbeat, for the heartbeat thread to send now and every interval after."""
+        with self._socket_lock:
+            self._beat, self._beat_at = beat, time.monotonic()
+        self._beat_now.set()
+
+    def _beat_loop(self) -> None:
+        """Send the latest heartbeat at once when the loop composed one, else every interval. A loop stuck
+        for two intervals still has the node heard: its beat goes out without replica states (stale)."""
+        next_at = 0.0
+        while True:
+            self._beat_now.wait(max(0.0, next_at - time.monotonic()))
+            self._beat_now.clear()
+            with self._socket_lock:
+                beat, at = self._beat, self._beat_at
+            if beat is not None:
+                if time.monotonic() - at > 2 * self.heartbeat_interval:
+                    beat = msgspec.structs.replace(beat, replicas=[])
+                self._send(beat)
+            next_at = time.monotonic() + self.heartbeat_interval
+            if self._beat_stop.is_set():
+                return
+
     def _send(self, message) -> None:
         try:
-            self.socket.send(encode(message), zmq.NOBLOCK)
+            with self._socket_lock:
+                self.socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("controller not reachable; dropped %s", type(message).__name__)
 
