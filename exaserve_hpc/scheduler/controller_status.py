@@ -84,6 +84,8 @@ def models_summary(ctl: "Controller") -> list[dict]:
             "model": name, "min_replicas": minimum,
             "current": serving, "target": sum(not r.stopping for r in mine),
             "below_min": below_min_reason(mine) if serving < minimum else None,
+            # never below its target without a reason: each replica not serving yet, and why
+            "below_target": below_min_reason(mine) if serving < sum(not r.stopping for r in mine) else None,
             "bounded": ctl.bounded.get(name),
             "stopping": sum(r.stopping for r in mine),
             "load": _finite(latest.load) if latest is not None else None,
