@@ -122,8 +122,10 @@ def listen_socket(host: str, port: int, setting: str = "gateway.port"):
     return sock
 
 
-def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfig) -> subprocess.Popen:
-    """This node's agent as a child process (`exaserve serve`): it dies with us."""
+def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfig,
+                        env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """This node's agent as a child process (`exaserve serve`): it dies with us. `env` is added to ours
+    (CURVE_JOB_DIR_VARIABLE: where it and its replicas read the run's keys)."""
     from .agent.node_agent import default_l2_root
     command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
                "--agent-id", agent_id, "--heartbeat", str(site.heartbeat.interval), "--die-with-parent",
@@ -131,7 +133,7 @@ def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfi
                "--l2-capacity", str(int(site.weight_cache.l2_capacity)),
                "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path)),
                "--gpus-per-node", str(site.cluster.gpus_per_node)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
 def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **config):
@@ -200,6 +202,7 @@ class ControlPlane:
         self.failure = ""  # why the plane stopped by itself, if it did: run() then returns 1
         self._stop_asked = False
         self.server = None
+        self.agent_supervisor = None  # `exaserve serve`'s agent process, kept running (agent_supervisor.py)
         try:
             self._build()
         except BaseException:
@@ -280,11 +283,13 @@ class ControlPlane:
     def _start_agent(self) -> None:
         s, site = self.settings, self.site
         endpoint = self.controller.endpoint
-        if not s.agent_in_thread:
-            self.agent_process = start_agent_process(endpoint, s.node, site)
+        if not s.agent_in_thread:  # restarted when it dies on its own (agent_supervisor.py)
+            from .agent_supervisor import AgentSupervisor
+            self.agent_supervisor = AgentSupervisor(
+                lambda: start_agent_process(endpoint, s.node, site, env=s.replica_env), self.controller, s.node,
+                on_give_up=self._agent_gave_up)
             self.agent_thread = None
-            self._closers.append(self.agent_process.kill)
-            threading.Thread(target=self._watch_agent_process, name="exaserve-agent-watch", daemon=True).start()
+            self._closers.append(self.agent_supervisor.kill)
             return
         from .agent.gpu_binding import GpuGrantError
         from .agent.node_agent import NodeAgent, default_l2_root
@@ -299,18 +304,16 @@ class ControlPlane:
             raise ControlPlaneError(str(exc)) from exc
         if s.curve is not None:
             secure_client(agent.socket, s.curve)
-        self.agent_process = None
+        self.agent_supervisor = None
         self.agent_thread = threading.Thread(target=agent.run, name="exaserve-agent-rank0", daemon=True)
         self.agent_thread.start()
 
-    def _watch_agent_process(self) -> None:
-        """This node's only agent exiting on its own (it refused the node's GPU grant, it crashed) leaves
-        nothing to serve with: stop, and exit 1, rather than wait for replicas that cannot come."""
-        code = self.agent_process.wait()
+    def _agent_gave_up(self, why: str) -> None:
+        """This node's agent cannot be kept running (it refused the node's GPU grant, it keeps dying): stop,
+        and exit 1, rather than wait for replicas that cannot come."""
         if not self.stopping:
-            self.failure = f"this node's agent exited with status {code} (its message is above)"
-            log.error("%s; stopping", self.failure)
-            self.request_stop(self.failure)
+            self.failure = why
+            self.request_stop(why)
 
     def _app(self):
         from .router.admin_api import admin_key_for, serving_admin_routes
@@ -341,6 +344,8 @@ class ControlPlane:
         if self.stopping:
             return
         self.stopping = True
+        if self.agent_supervisor is not None:  # the same signal may reach the agent: not a death to repair
+            self.agent_supervisor.stop()
         print(f"exaserve: {signal.Signals(sig).name} received: checkpoint, drain, stop", flush=True)
         # Write now, while every replica is still placed: agents may get the same signal and drain theirs.
         threading.Thread(target=self.checkpoint_once, name="exaserve-stop-checkpoint", daemon=True).start()
@@ -379,16 +384,19 @@ class ControlPlane:
         self.keeper.stop()
         self.checkpoint_once()
         print("exaserve: stopping: draining replicas on every node", flush=True)
+        if self.agent_supervisor is not None:
+            self.agent_supervisor.stop()  # an agent dying from here on is not replaced
         self.controller.shutdown(drain_timeout=self.settings.drain_timeout, wait=self.settings.drain_wait)
         if self.agent_thread is not None:
             self.agent_thread.join(self.settings.drain_wait)
-        if self.agent_process is not None:
+        if self.agent_supervisor is not None:
+            agent = self.agent_supervisor.stop()
             try:
-                self.agent_process.wait(timeout=self.settings.drain_wait)
+                agent.wait(timeout=self.settings.drain_wait)
             except subprocess.TimeoutExpired:
                 log.warning("node agent did not exit; killing it")
-                self.agent_process.kill()
-                self.agent_process.wait()
+                agent.kill()
+                agent.wait()
         self.controller.stop()
         self.router.stop()
         self.listener.close()

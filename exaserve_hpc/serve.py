@@ -5,10 +5,17 @@ checkpoints (created on first use for tiny models), the router, the controller, 
 process (which starts one process per replica), and the HTTP gateway in the main thread. Ctrl-C,
 SIGTERM or SIGUSR1 writes the controller's state to RUN_DIR/controller-state.h5, stops the gateway,
 drains and stops every replica, and exits 0 once every child has exited.
+
+Other users of this machine are kept out (loopback is not private on a shared login node): the run
+directory is made 0700, and CURVE keys made for this run in RUN_DIR/keys (0600) make the router's
+frontend and backend, the controller and the replicas' pipeline-stage links admit only this run's
+client key, which the agent, the gateway and the replicas read from there (bootstrap.py). A peer
+without it is refused at the handshake and logged once per key.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, make_curve_keys
 from .config import SiteConfig
 from .control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 
@@ -30,10 +38,42 @@ class ServeOptions:
     ready_timeout: float = 120.0
 
 
+def private_run_dir(path: Path) -> JobDir:
+    """The run directory, 0700 (made so if it was not), with its keys/ directory (0700).
+
+    An existing directory is made private only when it is ours and not a shared one (sticky and
+    writable by others, like /tmp): that one is refused rather than closed to everybody else."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise ServeError(f"cannot use the run directory {path}: {exc.strerror}") from exc
+    if info is not None and (info.st_uid != os.getuid() or info.st_mode & 0o1002 == 0o1002):
+        raise ServeError(f"the run directory {path} is {'shared' if info.st_uid == os.getuid() else 'not yours'}; "
+                         "set run_dir or --run-dir to a directory of its own (it is made 0700)")
+    try:
+        return JobDir(path).ensure()
+    except OSError as exc:
+        raise ServeError(f"cannot make the run directory {path} private (0700): {exc.strerror}; set run_dir "
+                         f"or --run-dir to a directory of yours") from exc
+
+
+def run_keys(run_dir: JobDir):
+    """This run's CURVE keys, new at every start (a key read by a process of an earlier run is no use)."""
+    if not curve_available():
+        raise ServeError("this libzmq has no CURVE support, which exaserve serve needs to keep other users of "
+                         "the machine off its sockets; install pyzmq from its wheels (they bundle libsodium)")
+    return make_curve_keys(run_dir)
+
+
 def serve(site: SiteConfig, options: ServeOptions) -> int:
+    run_dir = private_run_dir(options.run_dir or site.run_path)
+    keys = run_keys(run_dir)
     plane = ControlPlane(site, PlaneSettings(
-        node=site.cluster.hostnames()[0], state_dir=options.run_dir or site.run_path, host=options.host,
-        port=options.port))
+        node=site.cluster.hostnames()[0], state_dir=run_dir.path, host=options.host, port=options.port,
+        curve=keys, replica_env={CURVE_JOB_DIR_VARIABLE: str(run_dir.path.absolute())}))
     wanted = sum(site.initial_replicas(m) for m in site.models)
     threading.Thread(target=announce_when_ready, args=(plane.controller, plane.url, site, wanted,
                                                        options.ready_timeout), daemon=True).start()

@@ -511,6 +511,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GpuGrantError as exc:
         print(f"exaserve-agent: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_GRANT
+    from ..bootstrap import replica_client_keys, secure_client
+    keys = replica_client_keys(os.environ)  # `exaserve serve` names its run directory: the controller is CURVE
+    if keys is not None:
+        secure_client(agent.socket, keys)
     for sig in (signal.SIGTERM, signal.SIGUSR1):  # scancel/preemption; Slurm's warning before the time limit
         signal.signal(sig, lambda *_: agent.shutdown(10.0))  # drain, stop, remove this node's L2 files, exit 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller orders the shutdown
