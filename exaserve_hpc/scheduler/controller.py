@@ -1,10 +1,13 @@
 """The controller (rank 0): node agents in, replica commands out.
 
-One thread owns a ROUTER socket that every node agent's DEALER connects to.
+One thread owns a ROUTER socket that every node agent's DEALER connects to
+(its loop, each message under its own guard, and liveness: controller_loop.py).
 It records agent hellos, heartbeats and replica events; asks agents to start
 the replicas the placement gives their node; restarts a failed replica (a
-bounded number of times, with backoff); declares a node lost after
-`heartbeat.misses` silent intervals and takes its replicas out of routing;
+bounded number of times, with backoff); suspects a node after
+`heartbeat.misses` silent intervals and declares it lost `heartbeat.grace`
+later (a heartbeat meanwhile cancels it), taking its replicas out of routing
+(adopted again if it comes back still running those not placed elsewhere);
 scales each model's replica count with the autoscaler; and answers
 `status()` for the gateway and `exaserve status`.
 
@@ -42,9 +45,7 @@ from ..agent.lifecycle import ReplicaState
 from ..agent.node_agent import STOPPED_UNASKED
 from ..config import SiteConfig
 from ..protocol import (
-    AgentHeartbeat, AgentHello, DecodeError, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello,
-    StopReplica,
-    decode, encode,
+    AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica,
 )
 from ..router.zmq_router import ZmqRouter, bind
 from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
@@ -54,7 +55,8 @@ from .demand import DemandHistory
 from .fleet import Fleet, FleetSnapshot
 from .fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_removal  # noqa: F401 (re-exported)
 from .oom_control import OomControl
-from .peer_guard import PeerGuard, invalid
+from .controller_loop import ControllerLoop
+from .peer_guard import PeerGuard
 from .placement_control import PlacementControl, is_reservation_refusal
 from .rollout_control import RolloutFleet
 from .weight_control import WeightControl
@@ -62,10 +64,9 @@ from .weight_control import WeightControl
 log = logging.getLogger("exaserve.controller")
 
 MAX_RESTARTS = 5  # same-node restarts of a failed replica; past this it goes to another node
-STALLED = 30.0  # seconds without a loop round after which /health calls the controller stalled
 
 
-class Controller:
+class Controller(ControllerLoop):
     def __init__(self, site: SiteConfig, router: ZmqRouter, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
                  curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0,
@@ -181,93 +182,7 @@ class Controller:
         with self.fleet.lock:
             return self.fleet.snapshot()
 
-    # ---------------------------------------------------------------- controller thread
-
-    def _run(self) -> None:
-        tick = self.site.scheduler.tick_interval
-        next_tick = 0.0
-        while not self._stop.is_set():
-            self.loop_at = time.monotonic()
-            if self.socket.poll(min(100, int(tick * 1000))):
-                self._receive()
-            due = self.clock() >= next_tick
-            if due:
-                self._receive()  # what arrived while the loop was busy counts before any node is judged
-            with self.fleet.lock:
-                while not self.fleet.commands.empty():
-                    self._guarded("a queued command", self.fleet.commands.get_nowait())
-                if due:
-                    now = self.clock()
-                    self._guarded("the periodic tick", lambda: self.tick(now))
-                    next_tick = now + tick
-            self._flush()
-
-    def _guarded(self, what: str, work: Callable[[], None]) -> None:
-        """Run `work`; an exception is logged (once per distinct error) instead of ending the thread."""
-        try:
-            work()
-        except Exception as exc:
-            key = f"{what}: {type(exc).__name__}: {exc}"[:300]
-            if key not in self._errors_logged and len(self._errors_logged) < 256:
-                self._errors_logged.add(key)
-                log.exception("controller: %s failed (the controller carries on)", what)
-
-    def _receive(self) -> None:
-        """Every waiting message (at most 1000), each under its own guard (peer_guard.py)."""
-        for _ in range(1000):
-            try:
-                peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
-                continue  # not two frames
-            now = time.monotonic()
-            if self.peers.refused(peer, now):
-                continue
-            try:
-                message = decode(frame)
-            except DecodeError as exc:
-                self._bad(peer, "undecodable", str(exc), now)
-                continue
-            why = invalid(message)
-            if why:
-                self._bad(peer, type(message).__name__, why, now)
-                continue
-            try:
-                with self.fleet.lock:
-                    self.handle(peer.decode(errors="replace"), message)
-            except Exception as exc:
-                self._bad(peer, f"{type(message).__name__}: {type(exc).__name__}", repr(exc), now)
-                log.debug("handler failed", exc_info=True)
-            self._flush()
-
-    def _bad(self, peer: bytes, kind: str, detail: str, now: float) -> None:
-        line = self.peers.bad(peer, kind, detail, now)
-        if line:
-            log.warning("controller: %s", line)
-
-    def liveness(self) -> list[str]:
-        """What keeps the service from working, for /health ([] when the controller and router run)."""
-        problems = []
-        if self.socket is not None:
-            if not self._thread.is_alive():
-                problems.append("controller thread stopped")
-            elif self.loop_at and time.monotonic() - self.loop_at > STALLED:
-                problems.append(f"controller loop stalled for {time.monotonic() - self.loop_at:.0f}s")
-        thread = getattr(self.router, "_thread", None)  # ZmqRouter's loop
-        if thread is not None and thread.ident is not None and not thread.is_alive():
-            problems.append("router thread stopped")
-        return problems
-
-    def _flush(self) -> None:
-        """Send what the handlers left in the fleet's outbox (the only place the socket is written)."""
-        with self.fleet.lock:
-            out = self.fleet.take_outbox()
-        for agent_id, message in out:
-            try:
-                self.socket.send_multipart([agent_id.encode(), encode(message)], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                log.warning("cannot reach agent %s: %s", agent_id, exc)
+    # ---------------------------------------------------------------- messages (the loop: controller_loop.py)
 
     def handle(self, agent_id: str, message) -> None:
         """One message from an agent (fleet lock held); replies go to the fleet's outbox."""
