@@ -74,19 +74,23 @@ class SimAgent:
     def on_start(self, msg, now: float) -> None:
         if not self.alive:
             return
+        if msg.stage is not None and msg.stage.rank > 0:
+            return  # a later pipeline stage: stage 0's process stands for the whole replica here
         spec = self.sim.catalogue[msg.model]
+        self.sim.drop_copy(msg.replica_id)  # restarted elsewhere (a pipeline replica whose other stage's node died)
         self.starting[msg.replica_id] = msg
         self.sim.to_controller(now + 0.1, self.node, ReplicaEvent(agent_id=self.node, replica_id=msg.replica_id,
                                                                    state="loading"))
-        self.sim.later(now + self.load_seconds(spec), self.serve, msg.replica_id, msg)
+        # The run starts from a serving fleet (a warm start): the first placement loads in a second.
+        load = 1.0 if now <= self.sim.warm_until else self.load_seconds(spec)
+        self.sim.later(now + load, self.serve, msg.replica_id, msg)
 
     def serve(self, now: float, replica_id: str, msg) -> None:
         if not self.alive or self.starting.get(replica_id) is not msg:
             return  # the node died meanwhile, or the start was cancelled
         del self.starting[replica_id]
         spec = self.sim.catalogue[msg.model]
-        devices = max(1, len(msg.gpu_indices))
-        kv_bytes = msg.memory_bytes * devices - (spec.weight_bytes or 0)
+        kv_bytes = msg.memory_bytes * spec.devices_per_replica - (spec.weight_bytes or 0)  # every stage's GPUs
         replica = SimReplica(
             replica_id, msg.model, scaled_timings(self.sim.timings, spec), max_batch=spec.max_batch_size,
             kv_tokens=int(kv_bytes // max(1, spec.kv_bytes_per_token or 131072)),

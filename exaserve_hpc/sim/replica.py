@@ -90,13 +90,14 @@ class SimReplica:
         self.waiting.append(seq)
         if not self.busy:
             return self._start(now)
-        seg_start, seg_end, kind, steps = self._seg
+        seg_start, seg_end, kind, steps, base = self._seg
         if kind == "decode" and steps > 1 and self._admissible():
             # cut the decode segment at the next step boundary so the prompt starts there
             per = (seg_end - seg_start) / steps
             done = min(steps, max(1, int((now - seg_start) / per) + 1))
             if done < steps:
-                self._seg = (seg_start, seg_start + done * per, kind, done)
+                self.shared.work_s -= base * (1 - done / steps) * len(self.gpus)  # charged again when re-planned
+                self._seg = (seg_start, seg_start + done * per, kind, done, base * done / steps)
                 self.busy_until = seg_start + done * per
                 self.version += 1
                 return True
@@ -180,7 +181,7 @@ class SimReplica:
             self.shared.mark(self.gpus, 1)
         self.shared.work_s += base * len(self.gpus)
         seconds = base * self.shared.factor(self.gpus) * self.slow
-        self._seg = (now, now + seconds, kind, steps)
+        self._seg = (now, now + seconds, kind, steps, base)
         self.busy_until = now + seconds
         self.version += 1
         return True
@@ -190,7 +191,7 @@ class SimReplica:
         Returns [("first" | "done", seq)]; the caller reschedules at busy_until while `busy`."""
         if not self._seg:
             return []
-        _, _, kind, steps = self._seg
+        kind, steps = self._seg[2], self._seg[3]
         out: list[tuple[str, SimSeq]] = []
         # every sequence decoding before this segment gained `steps` tokens
         self.steps += steps

@@ -74,6 +74,7 @@ class Simulation:
         self.ctl = Controller(site, self.router, clock=lambda: self.now, bind_socket=False, expected_agents=hosts,
                               run_dir=run_dir)
         self.static = static
+        self.warm_until = 1.0  # StartReplicas sent before this load in a second (the initial placement)
         if static:
             self.ctl.autoscaler.tick = lambda loads, now: []  # hold every model at its planned count
         self.controller_node = hosts[0]  # rank 0 runs on the first node of the allocation
@@ -101,6 +102,15 @@ class Simulation:
 
     def to_router(self, replica_id: str, message) -> None:
         self._send(self.dispatcher.on_replica_message(replica_id, message, self.now))
+
+    def drop_copy(self, replica_id: str) -> None:
+        """A replica started again under its id: the old copy (if any still runs) goes."""
+        old = self.replicas.pop(replica_id, None)
+        if old is not None:
+            old.drop_all()
+            for agent in self.agents.values():
+                if agent.replicas.get(replica_id) is old:
+                    del agent.replicas[replica_id]
 
     def block_tokens(self, model: str) -> int:
         return self._block.get(model, 64)
@@ -292,8 +302,9 @@ class Simulation:
             self.ctl.handle(h, AgentHello(agent_id=h, hostname=h, pid=1, gpus=gpus, host_memory_total=1 << 40,
                                           memory=pool))
         self._flush()
-        # requests start once the first placement has had time to load (a real job opens its gateway then too)
-        start = max(a.load_seconds(self.catalogue[m]) for a in list(self.agents.values())[:1] for m in self.models) + 1
+        # Requests start once the first placement serves: the run begins from a serving fleet (later starts
+        # take SimAgent.load_seconds); otherwise the autoscaler would scale the idle fleet down first.
+        start = self.warm_until + 2.0
         self.t0 = start
         it = _Shifted(arrivals(self.workload, self.duration, seed=self.seed), start)
         first = next(it, None)

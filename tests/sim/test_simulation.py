@@ -47,7 +47,7 @@ def test_static_keeps_the_plan_and_dynamic_scales_down():
     wl = load_workload("tiny")
     static = Simulation(small_site(), wl, duration=180, static=True)
     static.run()
-    dynamic = Simulation(small_site(), wl, duration=100)
+    dynamic = Simulation(small_site(), wl, duration=150)  # scale-down waits for the first rebalance moves
     dynamic.run()
     smallest = lambda sim: min(s.replicas["llama-3.1-8b-instruct"] for s in sim.rec.samples)  # noqa: E731
     # the lost node's replicas are missing only until the controller has re-placed them
