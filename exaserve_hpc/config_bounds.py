@@ -1,7 +1,7 @@
 """Reading a site file within bounds: whatever it holds, `exaserve config check` answers in well under a
 second, with exit 2 and a place in the file, never a traceback or a hang.
 
-- the file: at most MAX_FILE_BYTES, UTF-8 (the byte offset of the first bad byte named otherwise);
+- the file: at most MAX_FILE_BYTES (256 KiB), UTF-8 (the byte offset of the first bad byte named otherwise);
 - YAML: at most MAX_DEPTH levels of nesting (checked while composing, before PyYAML's recursion could
   overflow), at most MAX_NODES values once every alias is expanded (an alias bomb of a few hundred bytes
   expands to billions: counted on the composed graph, each shared node once, never expanded), integers
@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-MAX_FILE_BYTES = 1 << 20  # a site file is a few KiB; 1 MiB leaves room for long quota-group key lists
+MAX_FILE_BYTES = 256 << 10  # a site file is a few KiB; pure-Python YAML reads 256 KiB in about 2 s
 MAX_DEPTH = 32  # the deepest setting is four levels down
 MAX_NODES = 100_000  # values after alias expansion
 MAX_INT_DIGITS = 40

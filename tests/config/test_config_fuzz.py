@@ -100,3 +100,18 @@ def test_a_file_that_is_not_utf8_names_the_byte(tmp_path):
 def test_the_shipped_site_files_still_pass():
     for path in sorted((ROOT / "site-configs").glob("*.yaml")):
         load_site(path)
+
+
+def test_a_file_past_the_size_limit_is_refused_unread_and_one_just_under_it_answers_in_seconds(tmp_path):
+    from exaserve_hpc.config_bounds import MAX_FILE_BYTES
+    big = tmp_path / "big.yaml"
+    big.write_text("site: b\nx:\n" + "- a\n" * (MAX_FILE_BYTES // 4))
+    with pytest.raises(ConfigError) as caught:
+        load_site(big)
+    assert caught.value.problems[0].path == "(file)" and str(MAX_FILE_BYTES) in caught.value.problems[0].allowed
+    under = tmp_path / "under.yaml"
+    under.write_text("site: b\nmodels: [{model_name: m}]\nx:\n" + "- a\n" * (MAX_FILE_BYTES // 4 - 20))
+    started = time.monotonic()
+    with pytest.raises(ConfigError):
+        load_site(under)
+    assert time.monotonic() - started < 6.0
