@@ -28,6 +28,14 @@ With ``chunked_prefill`` a sequence computes at most
 ``prefill_chunk_tokens`` per step, so a long prompt is spread over several
 steps and short requests admitted meanwhile get their first token without
 waiting for all of it.
+
+``max_num_batched_tokens`` (None: no limit, the reference engine's default)
+is vLLM's per-step token budget: decodes take one token each first, then
+the continuing prefills in admission order and the admissions take chunks
+from what is left (a chunk is cut to the budget; a sequence that finds none
+left waits for the next step). So prompts queue behind the prefill work
+ahead of them, first come first served, as in vLLM's and TensorRT-LLM's
+schedulers.
 """
 
 from __future__ import annotations
@@ -97,6 +105,7 @@ class SchedulerConfig:
     prefill_batch_size: int = 8
     chunked_prefill: bool = True
     prefill_chunk_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # tokens a step computes at most (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "prefill_batch_size", "prefill_chunk_tokens"):
@@ -105,6 +114,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or
+                                   budget < self.max_batch_size):
+            raise ValueError(f"max_num_batched_tokens must be None or an integer >= max_batch_size "
+                             f"({self.max_batch_size}: every running sequence may decode), got {budget!r}")
 
 
 class Scheduler:
@@ -135,24 +149,15 @@ class Scheduler:
         batch.preempted.append(seq)
         self.preemptions += 1
 
-    def _chunk(self, seq: Sequence) -> int:
+    def _chunk(self, seq: Sequence, budget: float = float("inf")) -> int:
         if self.config.chunked_prefill:
-            return min(seq.num_pending, self.config.prefill_chunk_tokens)
-        return seq.num_pending
+            return int(min(seq.num_pending, self.config.prefill_chunk_tokens, budget))
+        return seq.num_pending  # unchunked: a prompt is computed whole (the budget only stops admissions)
 
     def schedule(self, now: float) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        for seq in list(self.running):                       # 1. decodes
-            if seq not in self.running or seq.num_pending != 1:
-                continue
-            while not self.blocks.can_append(seq):
-                self._preempt(self.running[-1], batch)
-                if seq not in self.running:
-                    break
-            else:
-                self.blocks.may_append(seq)
-                batch.decodes.append(seq)
-        batch.decodes = [s for s in batch.decodes if s in self.running]
+        if self.config.max_num_batched_tokens is not None:
+            return self._schedule_budget(now, self.config.max_num_batched_tokens)
+        batch = self._decodes_only()                         # 1. decodes
         batch.prefills = [(s, self._chunk(s)) for s in self.running   # 2. continuing prefills
                           if s.num_pending > 1]
         if batch.preempted:
@@ -163,7 +168,43 @@ class Scheduler:
             batch.prefills.append((seq, self._chunk(seq)))
         return batch
 
-    def _admit(self, now: float) -> list[Sequence]:
+    def _schedule_budget(self, now: float, budget: int) -> ScheduledBatch:
+        """`schedule` under a per-step token budget: decodes, then prefill chunks, first come first served."""
+        batch = self._decodes_only()
+        left = budget - len(batch.decodes)
+        for s in self.running:                               # 2. continuing prefills, oldest first
+            if s.num_pending > 1 and left > 0:
+                n = self._chunk(s, left)
+                if n:
+                    batch.prefills.append((s, n))
+                    left -= n
+        if batch.preempted or left <= 0:
+            return batch
+        for seq in self._admit(now, left):                   # 3. admission while budget remains
+            batch.admitted.append(seq)
+            batch.prefix_hit_tokens += seq.num_computed_tokens
+            n = self._chunk(seq, left)
+            batch.prefills.append((seq, n))
+            left -= n
+        return batch
+
+    def _decodes_only(self) -> ScheduledBatch:
+        """Step 1: every decode, preempting the newest running sequences while the pool is short."""
+        batch = ScheduledBatch()
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_pending != 1:
+                continue
+            while not self.blocks.can_append(seq):
+                self._preempt(self.running[-1], batch)
+                if seq not in self.running:
+                    break
+            else:
+                self.blocks.may_append(seq)
+                batch.decodes.append(seq)
+        batch.decodes = [s for s in batch.decodes if s in self.running]
+        return batch
+
+    def _admit(self, now: float, budget: float = float("inf")) -> list[Sequence]:
         cfg = self.config
         room = min(cfg.max_batch_size - len(self.running), cfg.prefill_batch_size)
         if room <= 0 or not self.waiting:
@@ -172,9 +213,10 @@ class Scheduler:
                 (now - self.waiting[0].arrived) * 1000.0 < cfg.max_wait_ms:
             return []  # idle engine: hold briefly so a burst prefills as one batch
         admitted = []
-        while self.waiting and len(admitted) < room and self.blocks.can_allocate(self.waiting[0]):
+        while self.waiting and len(admitted) < room and budget > 0 and self.blocks.can_allocate(self.waiting[0]):
             seq = self.waiting.popleft()
             self.blocks.allocate(seq)
+            budget -= self._chunk(seq, budget)
             self.running.append(seq)
             admitted.append(seq)
         return admitted

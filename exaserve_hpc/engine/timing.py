@@ -13,8 +13,15 @@ KV events, stats), but a step computes no logits: it takes
 
 and the tokens it emits are a fixed filler (requests end at max_tokens).
 Constants per GPU kind are in ``GPU_TIMINGS`` (keys match the site
-config's ``cluster.gpu_kind``, e.g. ``a100-80gb``); pass ``timings=`` for your
-own (``benchmarks/calibrate_timing.py`` fits them to a real engine).
+config's ``cluster.gpu_kind``, e.g. ``a100-80gb``): Llama-3-8B rooflines
+from the vendors' datasheets, sources and checks in ``engine/gpu_specs.py``;
+pass ``timings=`` for your own (``benchmarks/calibrate_timing.py`` fits them
+to a real engine).
+
+Steps are scheduled as vLLM does with chunked prefill: at most
+``max_num_batched_tokens`` tokens a step (default 8192, vLLM's for a large
+GPU; None for no budget), decodes first, then prefill chunks in arrival
+order from what is left (``engine/scheduler.py``).
 
 Virtual time: the clock is injectable. ``step()`` starts a batch and returns
 []; a later ``step()`` at or after ``next_event_time()`` completes it
@@ -31,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from exaserve_hpc.engine.base import StepOutput
 from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
+from exaserve_hpc.engine.gpu_specs import GPU_SPECS, roofline
 from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
 from exaserve_hpc.engine.tokenizer import VOCAB_SIZE
 
@@ -77,22 +85,20 @@ class GpuTimings:
                 + self.kv_read_per_token_s * work.decode_context_tokens)
 
 
-# Roofline estimates for a Llama-3-8B-class model in fp16 on one GPU (weights
-# 16 GB read per step; 2 * 8e9 flop per prompt token; 4 * 32 * 4096 flop per
-# attention pair; K/V 128 KiB per token) at about half of peak, to be replaced
-# by calibrated figures where a machine has been measured.
+# Llama-3-8B in bf16 on one GPU of each kind: a roofline from the datasheets with stated
+# efficiencies (engine/gpu_specs.py names the sources and checks it against published figures),
+# to be replaced by `benchmarks/calibrate_timing.py`'s fit where a machine has been measured.
 # "reference-cpu": fitted by benchmarks/calibrate_timing.py to the numpy
 # reference engine with the default 2-layer tiny model on a shared 2-core box,
 # one BLAS thread (median error 4.5% over 18 measured steps).
 GPU_TIMINGS: dict[str, GpuTimings] = {
-    "a100-80gb": GpuTimings(8.0e-3, 6.4e-5, 2.0e-5, 6.4e-8, prefill_per_pair_s=2.1e-12),
-    "h100-sxm": GpuTimings(4.8e-3, 2.7e-5, 1.5e-5, 3.8e-8, prefill_per_pair_s=8.7e-13),
-    "h200": GpuTimings(3.3e-3, 2.7e-5, 1.5e-5, 2.7e-8, prefill_per_pair_s=8.7e-13),
-    "gh200": GpuTimings(3.5e-3, 2.7e-5, 1.5e-5, 2.8e-8, prefill_per_pair_s=8.7e-13),
-    "mi250x-gcd": GpuTimings(10.0e-3, 8.4e-5, 3.0e-5, 8.0e-8, prefill_per_pair_s=3.5e-12),
+    **{kind: GpuTimings(**roofline(spec)) for kind, spec in GPU_SPECS.items()},
     "reference-cpu": GpuTimings(1.65e-4, 3.9e-6, 1.5e-5, 2.4e-7, prefill_per_pair_s=4.0e-8,
                                 kv_bytes_per_token=256),
 }
+# vLLM's default per-step token budget for its OpenAI server on a GPU of >= 70 GiB (V1 engine,
+# chunked prefill on); the timing engine uses it unless told otherwise.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def fit_timings(samples: list[StepSample], kv_bytes_per_token: int) -> GpuTimings:
@@ -135,7 +141,8 @@ class TimingEngine(ContinuousBatchingEngine):
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, gpu_kind: str = "h100-sxm",
                  timings: GpuTimings | None = None, kv_cache_dtype: str = "fp16",
-                 vocab_size: int = VOCAB_SIZE, **kwargs) -> None:
+                 vocab_size: int = VOCAB_SIZE,
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS, **kwargs) -> None:
         if kv_cache_dtype not in ("fp16", "fp8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose fp16 or fp8")
         self.gpu_kind = gpu_kind if timings is None else "custom"
@@ -147,6 +154,9 @@ class TimingEngine(ContinuousBatchingEngine):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_bytes_per_token = timings.kv_bytes_per_token
         self._setup(vocab_size=vocab_size, **kwargs)
+        if max_num_batched_tokens is not None:  # at least one decode per running sequence fits
+            max_num_batched_tokens = max(max_num_batched_tokens, self.max_batch_size)
+        self.scheduler.config = replace(self.scheduler.config, max_num_batched_tokens=max_num_batched_tokens)
         self._inflight: ScheduledBatch | None = None
         self._ready_at = 0.0
         self.busy_seconds = 0.0

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.base import Engine, EngineRequest
 from exaserve_hpc.engine.reference import ReferenceEngine
-from exaserve_hpc.engine.timing import GPU_TIMINGS, GpuTimings, StepSample, TimingEngine, fit_timings
+from exaserve_hpc.engine.scheduler import SchedulerConfig
+from exaserve_hpc.engine.timing import (DEFAULT_MAX_NUM_BATCHED_TOKENS, GPU_TIMINGS, GpuTimings, StepSample,
+                                        TimingEngine, fit_timings)
 
 SIMPLE = GpuTimings(step_overhead_s=1e-3, prefill_per_token_s=1e-4, decode_per_seq_s=2e-3,
                     kv_read_per_token_s=0.0, kv_bytes_per_token=1000)
@@ -188,3 +190,54 @@ def test_random_workloads_on_a_tiny_pool_never_wedge(reqs, num_blocks, block_siz
         assert out.finish_reason == "length" and out.completion_tokens == max_tokens or \
             abort and out.finish_reason == "abort"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_token_budget_decodes_first_then_prefill_chunks_in_arrival_order():
+    """vLLM's max_num_batched_tokens: a long prompt ahead takes the budget; a short one behind it
+    waits for it (first come, first served) instead of getting its own chunk every step."""
+    clock = Clock()
+    engine = TimingEngine(timings=SIMPLE, clock=clock, max_wait_ms=0, max_seq_len=8192,
+                          prefill_chunk_tokens=4096, max_num_batched_tokens=1024, max_batch_size=8)
+    engine.add_request(EngineRequest("long", [7] * 3000, 4, stop_token_ids=()))
+    engine.add_request(EngineRequest("short", [9] * 100, 4, stop_token_ids=()))
+    sched = engine.scheduler
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine._inflight is not None:
+            b = engine._inflight
+            steps.append(([(s.request_id, n) for s, n in b.prefills], [s.request_id for s in b.decodes]))
+        clock.t = engine.next_event_time() or clock.t
+    assert steps[0] == ([("long", 1024)], [])                  # the budget, all to the older prompt
+    assert steps[1] == ([("long", 1024)], [])
+    assert steps[2] == ([("long", 952), ("short", 72)], [])    # what it leaves goes to the next
+    assert steps[3] == ([("short", 28)], ["long"])             # decodes first, then the chunk
+    assert all(sum(n for _, n in p) + len(d) <= 1024 for p, d in steps)
+    assert sched.config.max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be None or an integer >= max_batch_size"):
+        SchedulerConfig(max_batch_size=8, max_num_batched_tokens=4)
+
+
+def test_reference_engine_has_no_token_budget_by_default():
+    assert SchedulerConfig().max_num_batched_tokens is None
+    assert TimingEngine(gpu_kind="h200").scheduler.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert TimingEngine(gpu_kind="h200", max_num_batched_tokens=None).scheduler.config.max_num_batched_tokens is None
+
+
+def test_gpu_constants_follow_the_datasheets_and_published_figures():
+    """The roofline's checks in engine/gpu_specs.py, pinned: Llama-3-8B bf16."""
+    h100, h200 = GPU_TIMINGS["h100-sxm"], GPU_TIMINGS["h200"]
+    assert h100.kv_bytes_per_token == 131072
+    # batch-1 decode = weights over 80% of 3.35 TB/s + launch: ~6.5 ms a token
+    assert h100.seconds(StepSample(0, 0, 1, 1000)) == pytest.approx(6.5e-3, rel=0.05)
+    # batch 256 at ~600 tokens of context: ~12k tok/s (published: ~12.5k for vLLM on one H100)
+    step = h100.seconds(StepSample(0, 0, 256, 256 * 600))
+    assert 10_000 < 256 / step < 14_000
+    # attention's quadratic term at its real order: ~15% of an 8k prefill, ~40% of a 32k one
+    for n, share in ((8192, 0.15), (32768, 0.42)):
+        pairs = n * (n + 1) // 2
+        attn = h100.prefill_per_pair_s * pairs
+        assert attn / (attn + h100.prefill_per_token_s * n) == pytest.approx(share, abs=0.05)
+    # H200: same compute, 4.8/3.35 the bandwidth
+    assert h200.prefill_per_token_s == h100.prefill_per_token_s
+    assert h100.kv_read_per_token_s / h200.kv_read_per_token_s == pytest.approx(4.8 / 3.35)

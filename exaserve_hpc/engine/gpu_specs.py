@@ -1,0 +1,111 @@
+"""Where the timing engine's constants come from: datasheet figures, a model shape, efficiencies.
+
+No GPU was measured for this project, so each kind's `GpuTimings` is a
+roofline: the vendor's peak dense fp16/bf16 tensor FLOP/s and HBM bandwidth,
+times the fraction real serving engines reach, for one model shape.
+
+Sources (peak figures are dense, i.e. half of the "with sparsity" numbers
+the datasheets print first):
+- H100 SXM5 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (NVIDIA H100 Tensor
+  Core GPU datasheet; 1,979 TFLOP/s "with sparsity").
+- H200 SXM 141 GB: same Hopper die, 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e
+  (NVIDIA H200 product page / datasheet: "1.4x the bandwidth of H100").
+- GH200 96 GB: H100 compute, 4.0 TB/s HBM3 (NVIDIA GH200 Grace Hopper datasheet).
+- A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e (NVIDIA A100 datasheet).
+- MI250X, one GCD: 191.5 TFLOP/s fp16 (383 per package), 1.6 TB/s (3.2 per
+  package) (AMD Instinct MI250X data sheet).
+
+Efficiencies (assumptions, stated so they can be replaced by measurements):
+- prefill GEMMs at 55% of peak (model FLOP utilisation of large-token-count
+  bf16 GEMMs in vLLM and TensorRT-LLM prefill);
+- prefill attention at 40% of peak (FlashAttention-2 forward reaches 35-50%
+  of H100 peak with a causal mask; FlashAttention-3, Shah et al. 2024,
+  reports up to 75% in fp16, not what paged, variable-length serving kernels get);
+- HBM reads at 80% of the datasheet bandwidth (weights once per step, K/V per decode);
+- 0.5 ms a step of launch and scheduler overhead (CUDA graphs on).
+
+Check against a published serving figure (Llama-3.1-8B, bf16, one H100):
+decode at batch 256 with ~600 tokens of context gives 6.5 ms (weights) +
+7.5 ms (per-sequence GEMMs, additive: no overlap credited) + 7.5 ms (K/V)
+= 21.5 ms a step, 11.9k output tokens/s, against ~12.5k tok/s published for
+vLLM with FlashInfer on one H100 (morphllm.com "vLLM benchmarks", citing
+third-party runs); batch-1 decode is the weight read, 6.5 ms a token.
+Prefill of an 8k-token prompt: 0.24 s of GEMMs + 0.04 s of attention; of a
+32k one 0.95 s + 0.69 s (attention's quadratic term at its real order).
+`tests/engine/test_timing_engine.py` pins these figures.
+
+Model shape: Llama-3-8B (32 layers, 32 query heads and 8 K/V heads of 128,
+8.03e9 parameters, bf16): 2 x params FLOP per token, 4 x layers x heads x
+head_dim FLOP per causal (query, key) pair (QK^T and PV, 2 FLOP a
+multiply-add), 2 x layers x kv_heads x head_dim x 2 bytes = 128 KiB of K/V
+per token. Llama-3-70B (80 layers, 64 heads, 8 K/V heads) is given for a
+TP=8 replica by dividing compute and bandwidth among 8 GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    dense_fp16_flops: float     # FLOP/s, tensor cores, no sparsity
+    hbm_bytes_per_s: float
+    memory_gb: float
+    source: str
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.params
+
+    @property
+    def flops_per_pair(self) -> float:
+        return 4.0 * self.layers * self.heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.params
+
+
+GPU_SPECS: dict[str, GpuSpec] = {
+    "h100-sxm": GpuSpec(989e12, 3.35e12, 80, "NVIDIA H100 datasheet (SXM5)"),
+    "h200": GpuSpec(989e12, 4.8e12, 141, "NVIDIA H200 datasheet (SXM)"),
+    "gh200": GpuSpec(989e12, 4.0e12, 96, "NVIDIA GH200 datasheet (96 GB HBM3)"),
+    "a100-80gb": GpuSpec(312e12, 2.039e12, 80, "NVIDIA A100 datasheet (SXM 80 GB)"),
+    "mi250x-gcd": GpuSpec(191.5e12, 1.6e12, 64, "AMD MI250X data sheet, one of two GCDs"),
+}
+
+LLAMA3_8B = ModelShape("Llama-3-8B", 8.03e9, layers=32, heads=32, kv_heads=8, head_dim=128)
+LLAMA3_70B = ModelShape("Llama-3-70B", 70.6e9, layers=80, heads=64, kv_heads=8, head_dim=128)
+
+GEMM_EFFICIENCY = 0.55
+ATTENTION_EFFICIENCY = 0.40
+BANDWIDTH_EFFICIENCY = 0.80
+STEP_LAUNCH_S = 0.5e-3
+
+
+def roofline(gpu: GpuSpec, model: ModelShape = LLAMA3_8B, gpus: int = 1) -> dict[str, float]:
+    """The timing constants (GpuTimings' fields) of ``model`` on ``gpus`` GPUs of kind ``gpu``
+    (tensor parallel: compute and bandwidth divided among them, communication not counted)."""
+    flops, bandwidth = gpu.dense_fp16_flops * gpus, gpu.hbm_bytes_per_s * gpus * BANDWIDTH_EFFICIENCY
+    per_token = model.flops_per_token / (flops * GEMM_EFFICIENCY)
+    return dict(step_overhead_s=STEP_LAUNCH_S + model.weight_bytes / bandwidth,
+                prefill_per_token_s=per_token,
+                decode_per_seq_s=per_token,  # a decode is one token through the same GEMMs
+                kv_read_per_token_s=model.kv_bytes_per_token / bandwidth,
+                prefill_per_pair_s=model.flops_per_pair / (flops * ATTENTION_EFFICIENCY),
+                kv_bytes_per_token=model.kv_bytes_per_token)
