@@ -37,6 +37,7 @@ class ReplicaLoad:
     kv_used: float = 0.0
     latency_ewma_ms: float = 0.0
     prefill_tokens: int = 0  # router-side estimate: uncached prompt tokens sent and not yet past first token
+    decode_tokens: int = 0  # router-side: max_tokens of the requests sent and not yet finished
 
     @property
     def load(self) -> float:
@@ -214,6 +215,30 @@ class LeastLoad(RoutingPolicy):
                 best.load, best.kv_used, best.latency_ewma_ms, best.replica_id
             ):
                 best = c
+        return Decision(best.replica_id) if best else Decision(None, reason="none")
+
+
+class LeastTokens(RoutingPolicy):
+    """Fewest outstanding tokens wins: prefill tokens not yet past their first token plus the
+    decode tokens (max_tokens) of unfinished requests, both as the router counted them; ties go
+    to fewer requests, then lower latency, then the replica id.
+
+    The token-aware baseline: a replica with one 30k-token prompt in prefill is not "as loaded"
+    as one with a 100-token chat. A full scan, like `LeastLoad`.
+    """
+
+    name = "least_tokens"
+
+    def route(self, candidates: Sequence[ReplicaLoad], exclude: Container[str] = frozenset(),
+              key: Optional[RoutingKey] = None) -> Decision:
+        best, best_rank = None, None
+        for c in candidates:
+            if c.replica_id in exclude:
+                continue
+            rank = (c.prefill_tokens + c.decode_tokens, max(c.outstanding, c.queue_depth),
+                    c.latency_ewma_ms, c.replica_id)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = c, rank
         return Decision(best.replica_id) if best else Decision(None, reason="none")
 
 

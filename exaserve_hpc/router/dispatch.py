@@ -283,6 +283,8 @@ class Dispatcher:
         block = entry.key.block_size if entry.key else 0
         entry.prefill_estimate = max(0, len(request.prompt_token_ids) + len(entry.sent_tokens) - matched * block)
         replica.load.prefill_tokens += entry.prefill_estimate
+        entry.decode_estimate = request.max_tokens - len(entry.sent_tokens)
+        replica.load.decode_tokens += entry.decode_estimate  # for the token-aware least-load baseline
         if replica.breaker.state is BreakerState.HALF_OPEN:
             replica.breaker.on_dispatch()  # this request is the probe; no other until it answers
             self.unavailable.add(replica_id)
@@ -404,13 +406,14 @@ class Dispatcher:
         if replica is not None:
             replica.load.outstanding = max(0, replica.load.outstanding - 1)
             replica.load.prefill_tokens = max(0, replica.load.prefill_tokens - entry.prefill_estimate)
+            replica.load.decode_tokens = max(0, replica.load.decode_tokens - entry.decode_estimate)
             if replica.breaker.probe_in_flight and not entry.first_token_at:
                 replica.breaker.probe_in_flight = False  # the probe ended without a verdict: allow another
                 if not replica.draining:
                     self.unavailable.discard(entry.replica_id)
             if abort:
                 out.append(Outgoing(REPLICA, entry.replica_id.encode(), Abort(request_id=entry.request.request_id)))
-        entry.prefill_estimate = 0
+        entry.prefill_estimate = entry.decode_estimate = 0
         return out
 
     @staticmethod

@@ -58,6 +58,7 @@ class Inflight:
     version: Optional[str] = None  # canary version chosen for this request, kept across retries; None: any
     version_chosen: bool = False
     prefill_estimate: int = 0  # uncached prompt tokens charged to the replica until its first token
+    decode_estimate: int = 0  # tokens still to generate, charged to the replica until the request ends
     first_token_at: float = 0.0  # of the current attempt; 0: none yet
     last_token_at: float = 0.0
 

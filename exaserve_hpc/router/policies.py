@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .affinity import PrefixAffinity
-from .balancing import LeastLoad, PowerOfTwo, RoundRobin, RoutingPolicy
+from .balancing import LeastLoad, LeastTokens, PowerOfTwo, RoundRobin, RoutingPolicy
 
 if TYPE_CHECKING:
     from ..config import BatchingConfig, RouterConfig
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoad, PowerOfTwo, PrefixAffinity)
+    cls.name: cls for cls in (RoundRobin, LeastLoad, LeastTokens, PowerOfTwo, PrefixAffinity)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 

@@ -69,3 +69,33 @@ def test_gateways_hash_prompts_as_the_routers_policy_does():
     policy = policy_for_site(site.router, site.batching)
     hasher = policy_class("prefix_affinity").prompt_hasher(site.router)
     assert hasher.scheme == policy.hasher.scheme and hasher([1] * 64) == policy.routing_key([1] * 64).block_hashes
+
+
+def test_least_tokens_counts_outstanding_prefill_and_decode_tokens_through_the_dispatcher():
+    """The token-aware baseline: one long prompt outweighs several short chats; the dispatcher
+    charges a request's uncached prompt until its first token and its max_tokens until it ends."""
+    from exaserve_hpc.protocol import GenerateRequest, TokenChunk
+
+    d = Dispatcher(make_policy("least_tokens"), DispatchSettings(), {"m"})
+    for rid in ("a", "b"):
+        d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=0, max_batch_size=8,
+                                               max_seq_len=40000), 0.0)
+
+    def send(i, prompt, max_tokens):
+        out = d.on_request(b"gw", GenerateRequest(request_id=f"q{i}", model="m", prompt_token_ids=[1] * prompt,
+                                                  max_tokens=max_tokens), 0.0)
+        return out[0].peer.decode()
+
+    first = send(0, 30000, 10)
+    shorts = [send(i, 100, 10) for i in range(1, 6)]
+    assert set(shorts) == {"a", "b"} - {first}   # 5 chats beside one long prompt: requests would alternate
+    other = d.replicas[shorts[0]].load
+    assert (other.prefill_tokens, other.decode_tokens, other.outstanding) == (500, 50, 5)
+    d.on_replica_message(first, TokenChunk(request_id="q0", token_ids=[5]), 0.1)
+    assert d.replicas[first].load.prefill_tokens == 0 and d.replicas[first].load.decode_tokens == 10
+    d.on_replica_message(first, TokenChunk(request_id="q0", token_ids=[5], finished=True, finish_reason="length"), 0.2)
+    assert (d.replicas[first].load.prefill_tokens, d.replicas[first].load.decode_tokens) == (0, 0)
+    loads = [ReplicaLoad("x", "m", 0, 8, prefill_tokens=900), ReplicaLoad("y", "m", 3, 8, prefill_tokens=300,
+                                                                          decode_tokens=500)]
+    assert make_policy("least_tokens").route(loads).replica_id == "y"
+    assert make_policy("least_load").route(loads).replica_id == "x"
