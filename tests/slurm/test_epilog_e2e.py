@@ -1,0 +1,62 @@
+"""The admins' epilog (sbatch/exaserve-epilog.sh), as the local Slurm cluster runs it after every job
+on every node (slurm.conf Epilog=): it removes the L2 a job left in the node's /dev/shm, but not while
+another job of the same user still runs on that node. Marked slurm: under CI=true it must run."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from .fleet import epilog_lines, node_shm
+
+pytestmark = [pytest.mark.slurm]
+
+NODE = "n2"
+
+
+def sbatch_sleeper() -> int:
+    """A small job on NODE that shares it (one CPU, a little memory, not exclusive)."""
+    result = subprocess.run(["sbatch", "--parsable", f"--nodelist={NODE}", "--ntasks=1", "--cpus-per-task=1",
+                             "--mem=64M", "--output=/dev/null", "--wrap", "sleep 300"],
+                            capture_output=True, text=True, timeout=30, check=True)
+    return int(result.stdout.strip().split(";")[0])
+
+
+def running(job: int) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True,
+                         timeout=30).stdout.strip()
+    return out == "RUNNING"
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_epilog_removes_a_jobs_leftover_l2_unless_the_user_still_runs_a_job_there(slurm_cluster):
+    first, second = sbatch_sleeper(), sbatch_sleeper()
+    try:
+        wait_for(lambda: running(first) and running(second), 60, "both jobs running on " + NODE)
+        # What an agent killed past its grace time leaves: its L2 under the node's /dev/shm.
+        leftover = node_shm(NODE) / "exaserve-l2-0" / NODE
+        leftover.mkdir(parents=True, exist_ok=True)
+        (leftover / "weights.bin").write_bytes(b"\0" * 4096)
+
+        subprocess.run(["scancel", str(first)], check=True, timeout=30)
+        said = wait_for(lambda: epilog_lines(first), 60, f"the epilog of job {first}")
+        assert "kept L2 of uid 0: other jobs on this node" in said[0] and str(second) in said[0], said
+        assert (leftover / "weights.bin").exists()
+
+        subprocess.run(["scancel", str(second)], check=True, timeout=30)
+        said = wait_for(lambda: epilog_lines(second), 60, f"the epilog of job {second}")
+        assert "removed leftover L2 /dev/shm/exaserve-l2-0 (1 files" in said[0], said
+        assert not (node_shm(NODE) / "exaserve-l2-0").exists()
+    finally:
+        subprocess.run(["scancel", str(first), str(second)], capture_output=True, timeout=30)
