@@ -1,29 +1,35 @@
-"""Replay the Mooncake conversation trace against simulated replicas with three routing policies.
+"""Replay a conversation trace against simulated replicas with several routing policies.
 
-    python benchmarks/bench_router_trace.py [--replicas 16] [--loads 0.70 0.85] [--limit N]
+    python benchmarks/bench_router_trace.py [--gpu h200] [--replicas 16] [--loads 0.70 0.85 0.95]
+        [--limit N] [--trace FILE] [--policies ...]
 
 Each replica is a timing-model engine (`engine/timing.py`: the reference
 engine's scheduler and block manager, prefix cache included, with step time
-from a cost model; H100-class constants, KV pool sized like an 80 GB GPU
-serving an 8B fp16 model; ``--gpu h200`` for 141 GB) on one virtual clock. Requests go through the real
-`Dispatcher` (the router's bookkeeping, not a re-implementation) with
-round-robin, least-load, or prefix affinity; replicas report stats every
-100 ms of virtual time, like the real ones.
+from a Llama-3-8B roofline of the GPU's datasheet, `engine/gpu_specs.py`),
+scheduled as vLLM does: at most 8,192 tokens a step, decodes first, then
+prefill chunks first come first served (so short prompts queue behind long
+ones); KV pool sized like the GPU's memory less 16 GB of weights. All run on
+one virtual clock. Requests go through the real `Dispatcher` (the router's
+bookkeeping, not a re-implementation); replicas report stats every 100 ms of
+virtual time, like the real ones. Prefix affinity's cost constants come from
+the same timing model (`AffinitySettings.from_timings`), not from tuning.
 
 Prompts: the trace gives 512-token block hash ids, so block h becomes the
 token ids h*512 .. h*512+511 (two requests that share a hash id share those
 tokens, and so the engine's own chained block hashes) and the engine and the
-router both use 512-token blocks.
+router both use 512-token blocks. Requests longer than ``--max-seq`` (prompt
++ output) or than a replica's KV pool are skipped and counted.
 
-Fleet load: the trace's arrival times are divided by a time scale chosen so
-that its arrival rate is the target fraction of the fleet's saturation
-throughput (the first requests of the trace all arriving at once, routed by
-least-load); all three policies then replay the same scaled trace. Reported: block hit rate (blocks found in
-the engine prefix cache / prompt blocks), mean and p90 time to first token,
-utilisation (busy seconds / replicas x makespan), preemptions. Also a lower
-bound no router can beat (`ttft_bound`: every request alone on an idle
-replica that holds every block seen before), which says how much of a TTFT
-ratio against round-robin is reachable at all.
+Load: the fleet's capacity is measured first (the first
+``--calibration-requests`` of the trace all arriving at once, routed by
+token-aware least-load: requests / makespan); each load level then replays
+the trace with its arrival times scaled so that its arrival rate is that
+fraction of the capacity. Reported per policy: block hit rate, mean and p99
+TTFT, utilisation, preemptions, replica queues (requests waiting or in
+prefill: not yet at their first token) sampled at every stats report (the peak, the mean over time, and the peak against the fleet's mean
+queue at that moment), skipped requests. Also a lower bound no router can
+beat (`ttft_bound`: every request alone on an idle replica that holds every
+block seen before).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exaserve_hpc.engine.base import EngineRequest
-from exaserve_hpc.engine.timing import TimingEngine, timings_for
+from exaserve_hpc.engine.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, TimingEngine, timings_for
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk
 from exaserve_hpc.router.affinity import AffinitySettings
 from exaserve_hpc.router.policies import make_policy
@@ -52,9 +58,11 @@ WEIGHTS_GB = 16  # an 8B-parameter model in fp16
 def kv_blocks_for(gpu: str) -> int:
     """KV blocks of 512 tokens that fit beside the weights (128 KiB of K/V per token)."""
     return int((GPU_MEMORY_GB[gpu] - WEIGHTS_GB) * 1e9 / (131072 * BLOCK))
-MAX_SEQ = 131072 + 4096
+MAX_SEQ = 131072
 STATS_EVERY = 0.1
-PREFILL_CHUNK = 2048
+STEP_TOKENS = DEFAULT_MAX_NUM_BATCHED_TOKENS  # vLLM's per-step budget; a chunk may take all of it, as in vLLM
+MAX_BATCH = 128
+POLICIES = ["round_robin", "least_load", "least_tokens", "power_of_two", "prefix_affinity"]
 
 
 @dataclass
@@ -91,9 +99,21 @@ class Clock:
         return self.now
 
 
-def make_dispatcher(policy_name: str, seed: int) -> Dispatcher:
+def usable(rows: list[Row], gpu: str, max_seq: int) -> tuple[list[Row], int]:
+    """The rows a replica can serve, and how many were skipped (too long for max_seq or the KV pool)."""
+    limit = min(max_seq, kv_blocks_for(gpu) * BLOCK)
+    kept = [r for r in rows if r.input_length + max(1, r.output_length) <= limit]
+    return kept, len(rows) - len(kept)
+
+
+def make_dispatcher(policy_name: str, seed: int, gpu: str, rows: list[Row]) -> Dispatcher:
     if policy_name == "prefix_affinity":
-        policy = make_policy(policy_name, settings=AffinitySettings(block_size=BLOCK, max_prompt_blocks=512), seed=seed)
+        context = statistics.fmean(r.input_length + r.output_length / 2 for r in rows)
+        settings = AffinitySettings.from_timings(timings_for(gpu), STEP_TOKENS, context, block_size=BLOCK,
+                                                 max_prompt_blocks=512)
+        policy = make_policy(policy_name, settings=settings, seed=seed)
+    elif policy_name == "power_of_two":
+        policy = make_policy(policy_name, seed=seed)
     else:
         policy = make_policy(policy_name)
     settings = DispatchSettings(max_attempts=3, request_timeout=1e9, first_token_timeout=1e9, replica_expiry=1e9)
@@ -103,14 +123,16 @@ def make_dispatcher(policy_name: str, seed: int) -> Dispatcher:
 def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed: int = 0,
            gpu: str = "h100-sxm") -> dict:
     clock = Clock()
-    engines = {f"r{i:02d}": TimingEngine(gpu_kind=gpu, max_batch_size=64, max_seq_len=MAX_SEQ,
+    engines = {f"r{i:02d}": TimingEngine(gpu_kind=gpu, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
                                          max_wait_ms=0, block_size=BLOCK, num_kv_blocks=kv_blocks_for(gpu),
-                                         vocab_size=2 ** 31 - 1, clock=clock, prefill_chunk_tokens=PREFILL_CHUNK)
+                                         vocab_size=2 ** 31 - 1, clock=clock, prefill_chunk_tokens=STEP_TOKENS,
+                                         max_num_batched_tokens=STEP_TOKENS, prefill_batch_size=MAX_BATCH)
                for i in range(replicas)}
-    d = make_dispatcher(policy_name, seed)
+    d = make_dispatcher(policy_name, seed, gpu, rows)
     for rid in engines:
-        d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=0, max_batch_size=64,
+        d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=0, max_batch_size=MAX_BATCH,
                                                max_seq_len=MAX_SEQ), 0.0)
+    queues: list[tuple[float, int]] = []  # (fleet mean, max) at every stats report while requests wait
     arrivals = {f"q{i}": row.arrival / scale for i, row in enumerate(rows)}
     first: dict[str, float] = {}
     done = 0
@@ -136,10 +158,16 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
         t_next = min(t_arrival, t_engine, next_stats)
         clock.now = max(clock.now, t_next)
         if t_next == next_stats:
+            depths = []
             for rid, engine in engines.items():
                 s = engine.stats()
+                # The queue a TTFT waits in: requests not yet admitted, and admitted ones still in prefill
+                # (under a token budget a running prompt can wait steps for its chunks).
+                depths.append(s["queue_depth"] + sum(q.first_token_at is None for q in engine.scheduler.running))
                 d.on_replica_message(rid, ReplicaStats(replica_id=rid, queue_depth=s["queue_depth"],
                                                        running=s["running"], kv_used=s["kv_used"]), clock.now)
+            if i < len(rows):  # while the trace is still arriving (not the drain at its end)
+                queues.append((sum(depths) / len(depths), max(depths)))
             next_stats = clock.now + STATS_EVERY
         elif t_next == t_arrival:
             row = rows[i]
@@ -160,10 +188,15 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
     hit_tokens = sum(e.blocks.prefix_hit_tokens for e in engines.values())
     blocks = sum(len(r.hash_ids) for r in rows)
     busy = sum(e.busy_seconds for e in engines.values())
+    peak = max(queues, key=lambda q: (q[1], -q[0]), default=(0.0, 0))
     return {
         "policy": policy_name, "requests": len(rows), "completed": d.counters["completed"],
         "block_hit_rate": hit_tokens / BLOCK / blocks,
         "ttft_mean": statistics.fmean(ttft), "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
+        "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+        "queue_max": peak[1], "queue_mean_at_max": peak[0],
+        "queue_mean": statistics.fmean(q[0] for q in queues) if queues else 0.0,
+        "queue_max_mean": statistics.fmean(q[1] for q in queues) if queues else 0.0,
         "utilisation": busy / (replicas * makespan),
         "preemptions": sum(e.scheduler.preemptions for e in engines.values()),
         "makespan": makespan,
@@ -171,7 +204,7 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
     }
 
 
-def idle_prefill_seconds(timings, uncached: int, cached: int, chunk: int = PREFILL_CHUNK) -> float:
+def idle_prefill_seconds(timings, uncached: int, cached: int, chunk: int = STEP_TOKENS) -> float:
     """Prefill of ``uncached`` tokens after ``cached`` ones on an idle replica, chunk by chunk."""
     t, done = 0.0, cached
     while uncached > 0:
@@ -205,14 +238,15 @@ def ttft_bound(rows: list[Row], gpu: str) -> dict:
             "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))]}
 
 
-def calibrate(rows: list[Row], replicas: int, target: float, full_rows: list[Row], gpu: str) -> float:
-    """Time scale at which the trace's arrival rate is ``target`` of the fleet's saturation throughput.
+def measure_capacity(rows: list[Row], replicas: int, gpu: str) -> float:
+    """The fleet's capacity in requests/s: ``rows`` all arriving at once (x1000), token-aware least-load."""
+    saturated = replay(rows, "least_tokens", replicas, 1000.0, gpu=gpu)
+    return len(rows) / saturated["makespan"]
 
-    Saturation throughput: the calibration requests all arriving at once (x1000), least-load routing.
-    """
-    saturated = replay(rows, "least_load", replicas, 1000.0, gpu=gpu)
-    capacity = len(rows) / saturated["makespan"]
-    offered = len(full_rows) / max(1e-9, full_rows[-1].arrival - full_rows[0].arrival)
+
+def time_scale(rows: list[Row], capacity: float, target: float) -> float:
+    """Divide the trace's times by this to offer ``target`` x ``capacity`` requests/s."""
+    offered = len(rows) / max(1e-9, rows[-1].arrival - rows[0].arrival)
     return target * capacity / offered
 
 
@@ -220,44 +254,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--replicas", type=int, default=16)
-    parser.add_argument("--loads", type=float, nargs="+", default=[0.70, 0.85])
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.70, 0.85, 0.95])
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--calibration-requests", type=int, default=2500)
+    parser.add_argument("--max-seq", type=int, default=MAX_SEQ, help="longer requests (prompt + output) are skipped")
+    parser.add_argument("--calibration-requests", type=int, default=1500)
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--gpu", default="h100-sxm", choices=sorted(GPU_MEMORY_GB),
+    parser.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_GB),
                         help="timing constants and KV pool size of each replica")
-    parser.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "prefix_affinity"])
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
     args = parser.parse_args(argv)
-    rows = load_trace(Path(args.trace), args.limit)
-    print(f"{len(rows)} requests, {args.replicas} replicas ({args.gpu} timing model {timings_for(args.gpu)}), "
-          f"{kv_blocks_for(args.gpu)} KV blocks of {BLOCK} tokens each", flush=True)
-    results = []
+    rows, skipped = usable(load_trace(Path(args.trace), args.limit), args.gpu, args.max_seq)
+    print(f"{len(rows)} requests ({skipped} skipped: longer than {args.max_seq} tokens or the KV pool), "
+          f"{args.replicas} replicas ({args.gpu} timing model {timings_for(args.gpu)}), "
+          f"{kv_blocks_for(args.gpu)} KV blocks of {BLOCK} tokens each, {STEP_TOKENS} tokens a step", flush=True)
     bound = ttft_bound(rows, args.gpu)
     print(f"lower bound (every request alone on an idle replica holding every block seen before): "
           f"hit rate {bound['block_hit_rate']:.1%}, TTFT mean {bound['ttft_mean']:.3f}s, "
           f"p90 {bound['ttft_p90']:.3f}s", flush=True)
+    started = time.perf_counter()
+    capacity = measure_capacity(rows[:args.calibration_requests], args.replicas, args.gpu)
+    print(f"measured capacity: {capacity:.1f} requests/s ({time.perf_counter() - started:.0f}s)", flush=True)
+    results = []
     for load in args.loads:
-        started = time.perf_counter()
-        scale = calibrate(rows[:args.calibration_requests], args.replicas, load, rows, args.gpu)
-        print(f"\nload ~{load:.0%}: time scale x{scale:.2f} (calibrated in {time.perf_counter() - started:.0f}s)",
-              flush=True)
-        print(f"{'policy':<16} {'hit rate':>8} {'TTFT mean':>10} {'TTFT p90':>9} {'util':>6} {'preempt':>8}  routing")
+        scale = time_scale(rows, capacity, load)
+        print(f"\nload {load:.0%} of capacity: {load * capacity:.1f} requests/s, time scale x{scale:.2f}", flush=True)
+        print(f"{'policy':<16} {'hit rate':>8} {'TTFT mean':>10} {'p99':>8} {'/bound':>7} {'util':>6} "
+              f"{'preempt':>7} {'queue mean':>10} {'max(avg)':>8} {'peak@mean':>10}  routing")
         for name in args.policies:
             started = time.perf_counter()
             r = replay(rows, name, args.replicas, scale, gpu=args.gpu)
-            r.update(load=load, scale=scale, wall_s=time.perf_counter() - started)
+            r.update(load=load, scale=scale, capacity=capacity, skipped=skipped, wall_s=time.perf_counter() - started,
+                     bound_ttft_mean=bound["ttft_mean"], bound_hit_rate=bound["block_hit_rate"])
             results.append(r)
-            print(f"{name:<16} {r['block_hit_rate']:>8.1%} {r['ttft_mean']:>9.3f}s {r['ttft_p90']:>8.3f}s "
-                  f"{r['utilisation']:>6.1%} {r['preemptions']:>8}  {r['routing'] or ''}  ({r['wall_s']:.0f}s)",
-                  flush=True)
+            print(f"{name:<16} {r['block_hit_rate']:>8.1%} {r['ttft_mean']:>9.3f}s {r['ttft_p99']:>7.2f}s "
+                  f"{r['ttft_mean'] / bound['ttft_mean']:>6.2f}x {r['utilisation']:>6.1%} {r['preemptions']:>7} "
+                  f"{r['queue_mean']:>10.1f} {r['queue_max_mean']:>8.1f} {r['queue_max']:>4}@{r['queue_mean_at_max']:<5.1f}"
+                  f"  {r['routing'] or ''}  ({r['wall_s']:.0f}s)", flush=True)
         by = {r["policy"]: r for r in results if r["load"] == load}
-        if {"round_robin", "least_load", "prefix_affinity"} <= by.keys():
+        if {"least_tokens", "prefix_affinity"} <= by.keys():
             a = by["prefix_affinity"]
-            rr = by["round_robin"]["ttft_mean"]
-            print(f"prefix_affinity TTFT: {a['ttft_mean'] / rr:.2f}x round-robin, "
-                  f"{a['ttft_mean'] / by['least_load']['ttft_mean']:.2f}x least-load; hit rate "
+            print(f"prefix_affinity TTFT: {a['ttft_mean'] / by['least_tokens']['ttft_mean']:.2f}x least_tokens, "
+                  + (f"{a['ttft_mean'] / by['round_robin']['ttft_mean']:.2f}x round-robin, " if "round_robin" in by else "")
+                  + f"{a['ttft_mean'] / bound['ttft_mean']:.2f}x the lower bound; hit rate "
                   f"{a['block_hit_rate'] / bound['block_hit_rate']:.0%} of the {bound['block_hit_rate']:.1%} "
-                  f"an infinite cache reaches; the lower bound is {bound['ttft_mean'] / rr:.2f}x round-robin")
+                  f"an infinite cache reaches", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -3,7 +3,8 @@
 For each request the policy compares a few candidates by an estimate of the
 time to first token, in prefill-token units:
 
-    own  = this prompt's uncached tokens there + base_tokens
+    own  = uncached x (1 + pair_tokens x (cached + uncached / 2)) + base_tokens
+           (this prompt's uncached tokens there, attention's quadratic term included)
     cost = (prefill work ahead of it + own)
            x (1 + decode_share x requests running there)       # decodes slow every step
            + queue_tokens x requests beyond its batch size       # waiting for a batch slot
@@ -15,6 +16,12 @@ The last line is chunked prefill: a step computes a chunk of every prompt in
 prefill, so each prompt there delays this one by at most this one's own work
 (a whole chunk when that is less), not by all of its tokens: a short prompt
 beside one long prefill waits less than beside several short ones.
+
+The constants are the timing model's, not tuned (`AffinitySettings.from_timings`,
+what bench_router_trace uses): base_tokens = one step's overhead, pair_tokens =
+the attention pair's cost, decode_share = one running sequence's share of a
+prefill step (its GEMM row and its K/V read at the mean context), all in
+prefill-token units; prefill_chunk_tokens = the engines' per-step budget.
 
 The candidates are the replicas holding the longest cached prefix (from the
 `PrefixIndex`, a handful at most) and a random draw of ``weights.samples``
@@ -64,6 +71,7 @@ class AffinitySettings:
     decode_share: float = 0.03  # each running request slows a prefill step by this fraction
     queue_tokens: float = 8192.0  # a request waiting for a batch slot, in prefill tokens
     prefill_chunk_tokens: int = 512  # the engines' chunked-prefill size (site default): see the module docstring
+    pair_tokens: float = 0.0  # cost of one causal (query, key) attention pair, in prefill tokens
     matches: int = 4  # cached-prefix candidates considered per request
     # 4 drawn candidates besides the holders: in bench_router_trace (h200, 4,000 requests) 2 cost 3-6% mean TTFT,
     # 16 (a full scan there) gained only ~1%.
@@ -74,6 +82,21 @@ class AffinitySettings:
         """From a site config's router section (config.RouterConfig) and its batching.prefill_chunk_tokens."""
         return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks,
                    prefill_chunk_tokens=prefill_chunk_tokens)
+
+    @classmethod
+    def from_timings(cls, timings, step_tokens: int, mean_context_tokens: float, **overrides) -> "AffinitySettings":
+        """Cost constants from a timing model (engine/timing.py `GpuTimings`), in prefill-token units.
+
+        ``step_tokens``: the engines' per-step token budget (a step that prefills costs its overhead
+        plus that many tokens); ``mean_context_tokens``: K/V tokens a decoding sequence reads, on
+        average (the workload's, or the replicas' reported kv_tokens / running).
+        """
+        per_token = timings.prefill_per_token_s
+        step = timings.step_overhead_s + step_tokens * per_token
+        decode = timings.decode_per_seq_s + timings.kv_read_per_token_s * mean_context_tokens
+        values = dict(base_tokens=timings.step_overhead_s / per_token, decode_share=decode / step,
+                      pair_tokens=timings.prefill_per_pair_s / per_token, prefill_chunk_tokens=step_tokens)
+        return cls(**{**values, **overrides})
 
     def hasher(self) -> "FastBlockHasher | EngineBlockHasher":
         return prompt_hasher(self.mode, self.block_size, self.max_prompt_blocks)
@@ -138,10 +161,12 @@ class PrefixAffinity(RoutingPolicy):
 
     # ---------------------------------------------------------------- choice
 
-    def cost(self, c: ReplicaLoad, uncached: int, mean_latency: float) -> float:
+    def cost(self, c: ReplicaLoad, uncached: int, mean_latency: float, prompt: int = 0) -> float:
         # Comparisons instead of min()/max(): this runs for every candidate of every request.
         s = self.settings
         own = uncached + s.base_tokens
+        if s.pair_tokens:  # attention: each uncached token attends to the cached ones and half the rest
+            own += s.pair_tokens * uncached * (prompt - uncached + uncached / 2 if prompt > uncached else uncached / 2)
         running = c.outstanding if c.outstanding >= c.queue_depth else c.queue_depth
         # Chunked prefill: each prompt in prefill there delays this one by at most its own work.
         ahead = c.prefill_tokens
@@ -198,7 +223,7 @@ class PrefixAffinity(RoutingPolicy):
                 if depth > deepest:
                     deepest = depth
                 c = lookup(r)
-                rank = (cost(c, max(0, prompt - depth * size), mean), -depth, r)
+                rank = (cost(c, max(0, prompt - depth * size), mean, prompt), -depth, r)
                 if best_rank is None or rank < best_rank:
                     best, best_depth, best_rank = c, depth, rank
         held, hashes = self._held, key.block_hashes if deepest else ()
@@ -208,12 +233,12 @@ class PrefixAffinity(RoutingPolicy):
                 continue
             # A drawn replica may hold the prefix too (matches are only its newest holders).
             depth = held(r, hashes, deepest) if deepest else 0
-            rank = (cost(c, prompt - depth * size if depth else prompt, mean), -depth, r)
+            rank = (cost(c, prompt - depth * size if depth else prompt, mean, prompt), -depth, r)
             if best_rank is None or rank < best_rank:
                 best, best_depth, best_rank = c, depth, rank
         reason = "affinity" if best_depth else ("spill" if matches else "balance")
         if reason == "balance" and len(drawn) > 1 and self.balance.rng.random() < s.weights.explore:
-            best = max(drawn, key=lambda c: (cost(c, prompt, mean), c.replica_id))  # the probe share
+            best = max(drawn, key=lambda c: (cost(c, prompt, mean, prompt), c.replica_id))  # the probe share
         return Decision(best.replica_id, best_depth, reason)
 
     def commit(self, decision: Decision, key: Optional[RoutingKey]) -> None:

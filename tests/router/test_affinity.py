@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
 from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings
 
@@ -194,3 +196,22 @@ def test_a_drawn_replica_that_holds_part_of_the_prefix_is_credited_with_it():
     pool.get("r1").outstanding = 1
     d = route(p, pool, key=key)
     assert (d.replica_id, d.matched_blocks, d.reason) == ("r1", 0, "spill")
+
+
+def test_cost_constants_come_from_the_timing_model():
+    """No tuned numbers: one step's overhead, a decode's share of a prefill step and attention's
+    pair cost, each in prefill-token units of the GPU's timing model."""
+    from exaserve_hpc.engine.timing import GPU_TIMINGS
+
+    t = GPU_TIMINGS["h200"]
+    s = AffinitySettings.from_timings(t, 8192, 12000.0, block_size=512)
+    assert s.base_tokens == pytest.approx(t.step_overhead_s / t.prefill_per_token_s)
+    step = t.step_overhead_s + 8192 * t.prefill_per_token_s
+    assert s.decode_share == pytest.approx((t.decode_per_seq_s + 12000 * t.kv_read_per_token_s) / step)
+    assert s.pair_tokens == pytest.approx(t.prefill_per_pair_s / t.prefill_per_token_s)
+    assert (s.prefill_chunk_tokens, s.block_size) == (8192, 512)
+    policy = PrefixAffinity(s, seed=0)
+    idle = ReplicaLoad("r", "m", 0, 64)
+    # attention: 32k uncached tokens cost more than 4x 8k, and cached tokens before them add to it
+    assert policy.cost(idle, 32768, 0.0, 32768) > 4.2 * policy.cost(idle, 8192, 0.0, 8192)
+    assert policy.cost(idle, 1024, 0.0, 30000) > policy.cost(idle, 1024, 0.0, 1024)
