@@ -25,7 +25,7 @@ fi
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test,mpi]'
+.venv/bin/python -m pip install -q -e '.[test,mpi,sim]'
 
 # Under CI=true a test that needs Slurm, MPI, Lmod or Prometheus must run, not skip: conftest.py turns such skips into failures.
 exec .venv/bin/python -m pytest "$@"

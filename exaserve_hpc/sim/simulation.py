@@ -67,6 +67,8 @@ class Simulation:
             raise ValueError(f"workload {workload.name} sends requests for {', '.join(sorted(unknown))}, which the "
                              f"site {site.site} does not serve; its models: {', '.join(sorted(self.models))}")
         self._block = {s.model: s.block_tokens for s in workload.streams}
+        self._max_seq = {m: spec.max_seq_len for m, spec in self.catalogue.items()}
+        self.too_long = 0  # requests longer than their model's max_seq_len, refused at the gateway
         self.dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), self.models)
         self.router = SimRouter(self.dispatcher, lambda: self.now)
         hosts = site.cluster.hostnames()
@@ -182,6 +184,12 @@ class Simulation:
             self._send(out)
 
     def _arrive(self, now: float, it, request) -> None:
+        nxt = next(it, None)
+        if nxt is not None:
+            self.later(nxt.arrival, self._arrive, it, nxt)
+        if request.prompt + request.max_tokens > self._max_seq[request.model]:
+            self.too_long += 1  # the gateway refuses it (400) before the router sees it: not accepted
+            return
         k = self.rec.arrivals
         self.rec.arrivals += 1
         rid = f"q{k}"
@@ -196,9 +204,6 @@ class Simulation:
         req = GenerateRequest(request_id=rid, model=request.model, prompt_token_ids=[0] * request.prompt,
                               max_tokens=request.max_tokens, prefix_hashes=hashes, prefix_scheme=scheme)
         self._send(self.dispatcher.on_request(GATEWAY_ID, req, now))
-        nxt = next(it, None)
-        if nxt is not None:
-            self.later(nxt.arrival, self._arrive, it, nxt)
 
     def _heartbeats(self, now: float) -> None:
         for agent in self.agents.values():
@@ -343,7 +348,7 @@ class Simulation:
             "peak_qps": max((b.arrivals - a.arrivals) / rec.interval for a, b in zip(rec.samples, rec.samples[1:]))
             if len(rec.samples) > 1 else 0.0,
             "replicas_placed_max": max((sum(s.replicas.values()) for s in rec.samples), default=0),
-            "requeue": self.requeue, "events": rec.events, "nodes_lost": sorted(self.ctl.lost_at),
+            "refused_too_long": self.too_long, "requeue": self.requeue, "events": rec.events, "nodes_lost": sorted(self.ctl.lost_at),
             "slo": {"ttft_p99_s": self.workload.slo_ttft_p99, "e2e_p99_s": self.workload.slo_e2e_p99},
             "slo_held": (rec.ttft_all.quantile(0.99) <= self.workload.slo_ttft_p99
                          and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99 and lost == 0),

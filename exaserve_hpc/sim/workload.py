@@ -222,8 +222,8 @@ def synthetic(stream: Stream, index: int, duration: float, seed: int) -> Iterato
         blocks: list[int] = []
         if stream.groups:
             g = min(stream.groups - 1, _bisect(cum, rng.random() * acc))
-            blocks = [base + (g << 20) + k for k in range(min(sys_blocks, prompt // b))]
-            prompt = max(prompt, stream.system_tokens + 1)
+            prompt = max(prompt, stream.system_tokens + 1)  # the system prompt, then the user's part
+            blocks = [base + (g << 20) + k for k in range(sys_blocks)]
         for _ in range(prompt // b - len(blocks)):
             unique += 1
             blocks.append(base + (1 << 36) + unique)

@@ -1,0 +1,116 @@
+"""The simulator at the seed's scale: simulated seconds per wall second, and where the wall time goes.
+
+    python benchmarks/bench_simulator.py [--part exa256|small16|both] [--duration S] [--out DIR]
+
+exa256: exaserve simulate's core on exa256-a100 (256 nodes x 8 A100, 3,072 replicas placed by the real
+controller) with the exa256-mix workload compressed so its diurnal peak (> 20,000 requests/s) falls in
+the middle of --duration (default 150 s), a slow node at 20%, a node lost at 30%, a fault group (16 nodes)
+lost at 50%, the controller's node at 80%. Reported: simulated/wall ratio (target >= 0.2), peak
+requests/s, lost requests (target 0), and the share of wall time spent inside the real Dispatcher
+(gateway-side on_request and replica messages) and the real Controller (handle and tick): where those
+are most of it, the router's per-request cost is the limit, not the simulator.
+small16: small16-a100, small16-diurnal (one simulated hour, a diurnal swing, the Mooncake trace beside
+a model mix, node/fault-group/slow-node faults): wall time (target < 600 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from exaserve_hpc.config import load_site  # noqa: E402
+from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
+from exaserve_hpc.sim.workload import Fault, Workload, load_workload  # noqa: E402
+
+
+class Timer:
+    """Wall seconds spent inside wrapped methods."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + clock() - t
+        setattr(obj, name, timed)
+
+
+def exa256_workload(duration: float) -> Workload:
+    wl = load_workload("exa256-mix")
+    for s in wl.streams:
+        s.period = duration  # trough at both ends, the peak in the middle
+        s.bursts = [(0.5 * duration, 0.1 * duration, 1.05)]
+    wl.faults = [Fault(0.2 * duration, "slow_node", node="gpu100", factor=3.0),
+                 Fault(0.3 * duration, "node_loss", node="gpu042"),
+                 Fault(0.5 * duration, "fault_group_loss", group="rack07"),
+                 Fault(0.8 * duration, "controller_node_loss")]
+    return wl
+
+
+def run(site_name: str, workload: Workload, duration: float) -> dict:
+    site = load_site(ROOT / "site-configs" / f"{site_name}.yaml")
+    sim = Simulation(site, workload, duration=duration)
+    timer = Timer()
+    for name in ("on_request", "on_replica_message", "tick"):
+        timer.wrap(sim.dispatcher, name, f"dispatcher.{name}")
+    for name in ("handle", "tick"):
+        timer.wrap(sim.ctl, name, f"controller.{name}")
+    t = time.perf_counter()
+    s = sim.run()
+    wall = time.perf_counter() - t
+    s.update(wall_s=round(wall, 1), ratio=round(s["simulated_s"] / wall, 3),
+             inside={k: round(v, 1) for k, v in sorted(timer.seconds.items())},
+             dispatcher_share=round(sum(v for k, v in timer.seconds.items() if k.startswith("dispatcher")) / wall, 3),
+             controller_share=round(sum(v for k, v in timer.seconds.items() if k.startswith("controller")) / wall, 3),
+             us_per_request=round(1e6 * wall / max(1, s["accepted"]), 1))
+    return s
+
+
+def show(name: str, s: dict, target: str) -> None:
+    keys = ("simulated_s", "wall_s", "ratio", "accepted", "completed", "lost", "failed", "retries",
+            "refused_too_long", "peak_qps", "replicas_placed_max", "ttft_p99_s", "e2e_p99_s", "gpu_util_allocated",
+            "us_per_request", "dispatcher_share", "controller_share", "inside", "nodes_lost", "requeue")
+    print(f"\n{name} ({target})")
+    for k in keys:
+        print(f"  {k:22s} {s.get(k)}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--part", choices=["exa256", "small16", "both"], default="both")
+    p.add_argument("--duration", type=float, default=150.0, help="exa256: simulated seconds of arrivals")
+    p.add_argument("--small16-duration", type=float, default=3600.0)
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+    out, ok = {}, True
+    if args.part in ("exa256", "both"):
+        s = run("exa256-a100", exa256_workload(args.duration), args.duration)
+        show("exa256-a100, exa256-mix", s, "ratio >= 0.2, peak >= 20,000 req/s, 3,072 replicas, 0 lost")
+        ok &= s["ratio"] >= 0.2 and s["lost"] == 0 and s["peak_qps"] >= 20000 and s["replicas_placed_max"] >= 3072
+        out["exa256"] = s
+    if args.part in ("small16", "both"):
+        s = run("small16-a100", load_workload("small16-diurnal"), args.small16_duration)
+        show("small16-a100, small16-diurnal, one simulated hour", s, "wall < 600 s, 0 lost")
+        ok &= s["wall_s"] < 600 and s["lost"] == 0
+        out["small16"] = s
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    print("\nall targets met" if ok else "\nSOME TARGETS MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
