@@ -352,6 +352,7 @@ kill_node() {
 revive_node() {
     local n="$1"
     is_node "$n"
+    ip link show "$BRIDGE" >/dev/null 2>&1 || die "the cluster is not up (no bridge $BRIDGE): run $0 up"
     node_net_up "$n"
     slurmd_up "$n"
     echo "revived node $n"

@@ -1,8 +1,10 @@
 """The local Slurm test cluster, brought up once per session for tests marked `slurm`.
 
 Tests that need it take the `slurm_cluster` fixture: it runs tests/slurm/cluster.sh up (root,
-Debian's slurm-wlm and munge), points SLURM_CONF at it, and brings the cluster down at the end
-(EXASERVE_KEEP_CLUSTER=1 leaves it up). If it cannot come up the error carries the daemon logs;
+Debian's slurm-wlm, munge and iproute2: four nodes, each in its own network and mount namespace, GRES
+GPUs, cgroups), points SLURM_CONF at it, and brings the cluster down at the end
+(EXASERVE_KEEP_CLUSTER=1 leaves it up). A node's /tmp is its own, so a job's files go in the
+`shared_tmp` fixture's directory (the cluster's stand-in for a shared filesystem). If it cannot come up the error carries the daemon logs;
 without root or Slurm the tests skip, which under CI=true is a failure (tests/conftest.py).
 """
 
