@@ -64,6 +64,7 @@ from .weight_control import WeightControl
 log = logging.getLogger("exaserve.controller")
 
 MAX_RESTARTS = 5  # same-node restarts of a failed replica; past this it goes to another node
+MAX_MESSAGE_BYTES = 16 << 20  # an agent's largest message (a heartbeat of a thousand replicas) is ~200 KiB
 
 
 class Controller(ControllerLoop):
@@ -87,6 +88,8 @@ class Controller(ControllerLoop):
         if bind_socket:
             self.socket = self.context.socket(zmq.ROUTER)
             self.socket.setsockopt(zmq.LINGER, 0)
+            # a peer sending more in one message is disconnected by ZeroMQ before anything is read
+            self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if curve is not None:
                 from ..bootstrap import secure_server
                 self._auth = secure_server(self.socket, curve, self.context)

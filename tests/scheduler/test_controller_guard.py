@@ -9,6 +9,7 @@ a while. /health names a stopped controller thread (503) through the real gatewa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import msgspec
@@ -76,6 +77,30 @@ def test_a_peer_past_the_limit_is_refused_while_others_are_served(make_controlle
     assert any("refusing peer b'rogue'" in r.getMessage() for r in caplog.records)
     assert acked(agent)
     assert controller.status()["controller"]["refused_peers"] == ["rogue"]
+
+
+def test_an_oversized_frame_is_refused_before_it_is_read(make_controller):
+    controller, _, (agent,) = make_controller(agents=("a",), replicas=1)
+    agent.hello()
+    agent.expect(StartReplica)
+    rogue = FakeAgent(agent.socket.context, controller.endpoint, "rogue")
+    rogue.socket.send(b"\x00" * (32 << 20))  # past MAX_MESSAGE_BYTES: ZeroMQ drops the connection
+    time.sleep(1.0)
+    assert acked(agent) and controller.liveness() == []
+    assert controller.status()["controller"]["dropped_messages"] == 0  # never read, so never decoded
+
+
+def test_a_stopped_router_thread_is_named_and_nothing_counts_as_serving(make_controller):
+    controller, router, (agent,) = make_controller(agents=("a",), replicas=1)
+    agent.hello()
+    start = agent.expect(StartReplica)
+    agent.send(ReplicaEvent(agent_id="a", replica_id=start.replica_id, state="serving"))
+    wait_for(lambda: controller.serving_count() == 1, what="the replica serving")
+    router._thread = threading.Thread(target=lambda: None)  # ZmqRouter's loop, ended
+    router._thread.start()
+    router._thread.join()
+    assert controller.liveness() == ["router thread stopped"] and controller.serving_count() == 0
+    assert controller.status()["controller"]["liveness"] == ["router thread stopped"]
 
 
 def test_peer_guard_refuses_for_a_while_then_forgives():
