@@ -22,7 +22,8 @@ router both use 512-token blocks. Requests longer than ``--max-seq`` (prompt
 
 Load: the fleet's capacity is measured first (the first
 ``--calibration-requests`` of the trace all arriving at once, routed by
-token-aware least-load: requests / makespan); each load level then replays
+token-aware least-load: requests x replicas / GPU-busy seconds, the rate
+a perfectly balanced fleet of saturated replicas sustains); each load level then replays
 the trace with its arrival times scaled so that its arrival rate is that
 fraction of the capacity. Reported per policy: block hit rate, mean and p99
 TTFT, utilisation, preemptions, replica queues (requests waiting or in
@@ -199,7 +200,7 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
         "queue_max_mean": statistics.fmean(q[1] for q in queues) if queues else 0.0,
         "utilisation": busy / (replicas * makespan),
         "preemptions": sum(e.scheduler.preemptions for e in engines.values()),
-        "makespan": makespan,
+        "makespan": makespan, "busy_seconds": busy,
         "routing": dict(d.reasons),
     }
 
@@ -239,9 +240,13 @@ def ttft_bound(rows: list[Row], gpu: str) -> dict:
 
 
 def measure_capacity(rows: list[Row], replicas: int, gpu: str) -> float:
-    """The fleet's capacity in requests/s: ``rows`` all arriving at once (x1000), token-aware least-load."""
-    saturated = replay(rows, "least_tokens", replicas, 1000.0, gpu=gpu)
-    return len(rows) / saturated["makespan"]
+    """The fleet's capacity in requests/s: ``rows`` all arriving at once (x1000), token-aware
+    least-load, every step as full as the budget allows; capacity = requests / (GPU-busy seconds /
+    replicas), the rate a perfectly balanced fleet sustains. (Requests / makespan would count the
+    drain of the last long requests on a few replicas; completions per second mid-run would count
+    short requests finishing while long ones' work is deferred.)"""
+    r = replay(rows, "least_tokens", replicas, 1000.0, gpu=gpu)
+    return len(rows) * replicas / r["busy_seconds"]
 
 
 def time_scale(rows: list[Row], capacity: float, target: float) -> float:

@@ -8,6 +8,14 @@ shared machine only ever add time), fits ``GpuTimings`` by least squares
 (``exaserve_hpc.engine.timing.fit_timings``), prints the constants as a
 ``GPU_TIMINGS`` entry and the fit's error on the samples. On a GPU machine,
 measure the real backend the same way and add its line to GPU_TIMINGS.
+
+    calibrate_timing.py --samples steps.csv --gpu h200
+
+fits measured steps of a real engine instead (CSV columns prefill_tokens,
+prefill_pairs, decode_seqs, decode_context_tokens, seconds: one row a step,
+e.g. from vLLM's scheduler stats) and prints the fit beside the datasheet
+roofline ``GPU_TIMINGS[--gpu]`` (engine/gpu_specs.py), constant by constant,
+so a measured machine replaces the roofline with evidence.
 """
 
 from __future__ import annotations
@@ -33,7 +41,30 @@ sys.path.insert(0, str(ROOT))
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint  # noqa: E402
 from exaserve_hpc.engine.base import EngineRequest  # noqa: E402
 from exaserve_hpc.engine.reference import ReferenceEngine  # noqa: E402
-from exaserve_hpc.engine.timing import StepSample, fit_timings  # noqa: E402
+from exaserve_hpc.engine.timing import GPU_TIMINGS, StepSample, fit_timings  # noqa: E402
+
+FIELDS = ("step_overhead_s", "prefill_per_token_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_pair_s")
+
+
+def read_samples(path: str) -> list[StepSample]:
+    import csv
+
+    with open(path, newline="") as f:
+        return [StepSample(int(r["prefill_tokens"]), int(r["prefill_pairs"]), int(r["decode_seqs"]),
+                           int(r["decode_context_tokens"]), seconds=float(r["seconds"])) for r in csv.DictReader(f)]
+
+
+def compare(samples: list[StepSample], gpu: str, kv_bytes: int) -> int:
+    if gpu not in GPU_TIMINGS:
+        print(f"--gpu {gpu!r} is unknown; choose one of {', '.join(sorted(GPU_TIMINGS))}", file=sys.stderr)
+        return 2
+    fit, model = fit_timings(samples, kv_bytes), GPU_TIMINGS[gpu]
+    for name in FIELDS:
+        measured, roof = getattr(fit, name), getattr(model, name)
+        print(f"{name:<22} measured {measured:.3g}  roofline {roof:.3g}  ({measured / roof if roof else float('nan'):.2f}x)")
+    errors = [abs(model.seconds(s) - s.seconds) / s.seconds for s in samples]
+    print(f"roofline against the {len(samples)} measured steps: median relative error {statistics.median(errors):.1%}")
+    return 0
 
 
 def timed_step(engine: ReferenceEngine) -> float:
@@ -76,7 +107,12 @@ def main() -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=172)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", help="CSV of a real engine's measured steps (see the module docstring)")
+    parser.add_argument("--gpu", default="h200", help="the GPU_TIMINGS kind to compare --samples with")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=131072)
     args = parser.parse_args()
+    if args.samples:
+        return compare(read_samples(args.samples), args.gpu, args.kv_bytes_per_token)
     spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, intermediate=args.intermediate,
                          max_position=2176, shards=1)
