@@ -346,6 +346,7 @@ class ControlPlane:
         self.stopping = True
         if self.agent_supervisor is not None:  # the same signal may reach the agent: not a death to repair
             self.agent_supervisor.stop()
+        self.controller.stopping()  # agents stopping replicas from now on are not moved (Slurm signals them too)
         print(f"exaserve: {signal.Signals(sig).name} received: checkpoint, drain, stop", flush=True)
         # Write now, while every replica is still placed: agents may get the same signal and drain theirs.
         threading.Thread(target=self.checkpoint_once, name="exaserve-stop-checkpoint", daemon=True).start()

@@ -135,10 +135,17 @@ class Controller(ControllerLoop):
         self._thread.start()
         return self
 
+    def stopping(self) -> None:
+        """The job is stopping (from the stop signal on): a replica an agent stops is neither placed again
+        nor moved, even before shutdown()'s order reaches the agents (they may get the signal too)."""
+        with self.fleet.lock:
+            self.placement.closing = True
+
     def shutdown(self, drain_timeout: float = 10.0, wait: float = 20.0) -> None:
         """Tell every agent to drain and stop its replicas; wait until they all report stopped."""
+        self.stopping()
+
         def close() -> None:
-            self.placement.closing = True  # stopped replicas are not placed again
             self._broadcast(Shutdown(drain_timeout=drain_timeout))
         self.fleet.submit(close)
         deadline = time.monotonic() + wait
