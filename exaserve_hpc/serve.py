@@ -69,6 +69,9 @@ def run_keys(run_dir: JobDir):
 
 
 def serve(site: SiteConfig, options: ServeOptions) -> int:
+    # Whatever this server, its agent and replicas create (KV snapshots, L2 files, tiny checkpoints, logs)
+    # is the user's own: 0700 directories, 0600 files (issue 13 item 14).
+    os.umask(0o077)
     run_dir = private_run_dir(options.run_dir or site.run_path)
     keys = run_keys(run_dir)
     plane = ControlPlane(site, PlaneSettings(

@@ -248,7 +248,8 @@ def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
             if progress:
                 progress(done, total)
         write_manifest(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a model store is shared
+        # mkdtemp makes it 0700 and its files are 0600: a checkpoint is its user's own (another user's
+        # weights or manifest must not be read, nor one of ours replaced); share a store with chmod if wanted
         try:
             os.rename(tmp, target)  # atomic; replaces an empty directory only
         except OSError as e:

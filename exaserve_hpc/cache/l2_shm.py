@@ -117,6 +117,18 @@ def read_l2_page_note(path: str | os.PathLike) -> str | None:
     return l2_page_note(path, mounts, shmem)
 
 
+def private_l2_dirs(root: Path) -> None:
+    """The L2 root and the per-user directory above it (exaserve-l2-UID, made with the default mode by
+    mkdir(parents=True)) are 0700 when they are ours: another user must not read or replace weights. The
+    shared place above them (weight_cache.l2_path, /dev/shm) is left alone."""
+    for directory in (root, root.parent) if root.parent.name.startswith("exaserve-l2-") else (root,):
+        try:
+            if directory.stat().st_uid == os.getuid():
+                os.chmod(directory, 0o700)
+        except OSError:
+            pass
+
+
 class L2Cache:
     def __init__(self, root: str | os.PathLike, capacity: int):
         self.root = Path(root)
@@ -128,6 +140,7 @@ class L2Cache:
         self.evictions = 0
         self._attempt = 0
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_l2_dirs(self.root)
 
     # ------------------------------------------------------------ entries
 
@@ -172,7 +185,9 @@ class L2Cache:
 
     def finish_fill(self, key: str, fill_dir: Path, now: float) -> None:
         entry = self.entries[key]
-        (fill_dir / _MARKER).write_text(json.dumps({"model": entry.model, "nbytes": entry.nbytes}))
+        fd = os.open(fill_dir / _MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"model": entry.model, "nbytes": entry.nbytes}))
         shutil.rmtree(self.path(key), ignore_errors=True)
         os.rename(fill_dir, self.path(key))
         entry.state, entry.done, entry.last_used = READY, entry.nbytes, now

@@ -239,5 +239,7 @@ def copy_verified(src: str | os.PathLike, dst: str | os.PathLike, *, progress: P
             os.close(fd)
     if hasher.error or writer.error:
         raise hasher.error or writer.error
-    (dst / MANIFEST_FILE).write_bytes(raw_manifest)
+    fd = os.open(dst / MANIFEST_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private, like the weights
+    with os.fdopen(fd, "wb") as f:
+        f.write(raw_manifest)
     return done

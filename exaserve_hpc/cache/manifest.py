@@ -56,7 +56,8 @@ class ChecksumError(CheckpointError):
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """Created 0600: checkpoints and manifests are the user's own (issue 13 item 14)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
