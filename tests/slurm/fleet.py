@@ -83,6 +83,40 @@ def epilog_lines(job_id: int) -> list[str]:
     return [line for line in text.splitlines() if f" job {job_id}: " in line]
 
 
+def environ(pid: int) -> dict[str, str]:
+    raw = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def check_devices(status: dict, fraction: dict[str, float]) -> dict[str, list[dict]]:
+    """What status shows for each serving replica is what its process was given: CUDA_VISIBLE_DEVICES
+    (read from /proc/PID/environ), within the GPUs Slurm granted its node's step (the agent's own
+    environment); two replicas of a node share a device only when their models use a fraction of a GPU.
+    Returns the serving replicas by node."""
+    agents = {a["agent_id"]: a for a in status["agents"]}
+    by_node: dict[str, list[dict]] = {}
+    for replica in status["replicas"]:
+        if replica["state"] != "serving":
+            continue
+        assert replica.get("devices"), f"status shows no devices for {replica['replica_id']}: {replica}"
+        env = environ(replica["pid"])
+        assert env.get("SLURMD_NODENAME") == replica["node"], (replica, env.get("SLURMD_NODENAME"))
+        assert env.get("CUDA_VISIBLE_DEVICES", "").split(",") == replica["devices"], (replica, env)
+        assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        # The step's grant on that node, as Slurm gave it to the node's task (the agent).
+        step = environ(agents[replica["node"]]["pid"])
+        granted = step["CUDA_VISIBLE_DEVICES"].split(",")
+        assert len(granted) == 4 and step["SLURM_STEP_GPUS"].split(",") == ["0", "1", "2", "3"], step
+        assert set(replica["devices"]) <= set(granted), (replica, granted)
+        by_node.setdefault(replica["node"], []).append(replica)
+    for node, replicas in by_node.items():
+        for i, a in enumerate(replicas):
+            for b in replicas[i + 1:]:
+                if set(a["devices"]) & set(b["devices"]):
+                    assert fraction[a["model"]] < 1 and fraction[b["model"]] < 1, (node, a, b)
+    return by_node
+
+
 def node_processes(node: str) -> list[int]:
     """Every process of virtual node `node`: those in its network namespace (slurmd runs there and every
     step and task inherits it), and any whose environment names the node (SLURMD_NODENAME)."""

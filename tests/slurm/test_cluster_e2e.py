@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -18,8 +17,8 @@ import yaml
 from exaserve_hpc.slurm.client import CliSlurmClient
 from exaserve_hpc.slurm.states import JobState, NodeState
 
-from .fleet import (Job, RequestStream, cluster, echo_site, kill_and_watch, node_processes, remove_shared_dir, shared_dir, submit,
-                    wait_serving)
+from .fleet import (Job, RequestStream, check_devices, cluster, echo_site, kill_and_watch, node_processes,
+                    remove_shared_dir, shared_dir, submit, wait_serving)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
@@ -72,39 +71,10 @@ def test_submitted_job_serves_and_status_shows_four_agents_with_their_replicas(f
     assert published["server_public_key"] and published["nodes"] == ["n1", "n2", "n3", "n4"]
 
 
-def environ(pid: int) -> dict[str, str]:
-    raw = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-
-
 def test_every_replica_holds_exactly_its_devices_within_the_steps_grant(fleet_job: Job):
-    """What status shows for a replica is what its process was given: CUDA_VISIBLE_DEVICES (read from
-    /proc/PID/environ), within the GPUs Slurm granted its node's step (the agent's own environment);
-    two replicas of a node share a device only when their model uses a fraction of a GPU."""
     status = wait_serving(fleet_job, agents=4, replicas=REPLICAS)
     site = yaml.safe_load((fleet_job.job_root.parent / "site.yaml").read_text())
-    fraction = {m["model_name"]: m.get("gpu_memory_utilization", 0.9) for m in site["models"]}
-    agents = {a["agent_id"]: a for a in status["agents"]}
-    by_node: dict[str, list[dict]] = {}
-    for replica in status["replicas"]:
-        if replica["state"] != "serving":
-            continue
-        assert replica.get("devices"), f"status shows no devices for {replica['replica_id']}: {replica}"
-        env = environ(replica["pid"])
-        assert env.get("SLURMD_NODENAME") == replica["node"], (replica, env.get("SLURMD_NODENAME"))
-        assert env.get("CUDA_VISIBLE_DEVICES", "").split(",") == replica["devices"], (replica, env)
-        assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
-        # The step's grant on that node, as Slurm gave it to the node's task (the agent).
-        step = environ(agents[replica["node"]]["pid"])
-        granted = step["CUDA_VISIBLE_DEVICES"].split(",")
-        assert len(granted) == 4 and step["SLURM_STEP_GPUS"].split(",") == ["0", "1", "2", "3"], step
-        assert set(replica["devices"]) <= set(granted), (replica, granted)
-        by_node.setdefault(replica["node"], []).append(replica)
-    for node, replicas in by_node.items():
-        for i, a in enumerate(replicas):
-            for b in replicas[i + 1:]:
-                if set(a["devices"]) & set(b["devices"]):
-                    assert fraction[a["model"]] < 1 and fraction[b["model"]] < 1, (node, a, b)
+    check_devices(status, {m["model_name"]: m.get("gpu_memory_utilization", 0.9) for m in site["models"]})
 
 
 def test_published_addresses_are_the_nodes_own_and_status_works_from_outside(fleet_job: Job):
