@@ -178,6 +178,9 @@ def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdi
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from ..control_plane import ControlPlaneError
+    # Everything a rank writes (job directory, controller state, L2 copies, snapshots) is the job
+    # user's alone: on a shared cluster other users' jobs may share these nodes and filesystems.
+    os.umask(0o077)
     site = load_site(resolve_site(args.site))
     job = detect_job_environment()
     try:
