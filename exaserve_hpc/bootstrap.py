@@ -99,6 +99,7 @@ class ControllerInfo:
     server_public_key: str = ""      # Z85 CURVE key; "" when CURVE is off
     nodes: list[str] = field(default_factory=list)  # every rank's node, by rank
     published_at: float = 0.0
+    error: str = ""  # rank 0 could not start the controller (the reason): every rank stops instead of waiting
 
 
 # ---------------------------------------------------------------- job directory
@@ -338,16 +339,23 @@ def publish_controller(rank: RankInfo, jobdir: JobDir, info: ControllerInfo, com
         comm.bcast(asdict(info), root=0)
 
 
+def _started(rank: RankInfo, info: ControllerInfo) -> ControllerInfo:
+    if info.error:
+        raise BootstrapError(f"rank {rank.rank} on {rank.node}: rank 0 could not start the controller, so this "
+                             f"rank stops too: {info.error}")
+    return info
+
+
 def wait_for_controller(rank: RankInfo, jobdir: JobDir, comm: Any = None, timeout: float = 300.0,
                         poll: float = 0.2) -> ControllerInfo:
     """Agents: the controller of *this* run (same job id and restart count)."""
     if comm is not None:
-        return ControllerInfo(**comm.bcast(None, root=0))
+        return _started(rank, ControllerInfo(**comm.bcast(None, root=0)))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         data = jobdir.read_json("controller.json")
         if data and data.get("job_id") == rank.job_id and data.get("restart") == rank.restart:
-            return ControllerInfo(**data)
+            return _started(rank, ControllerInfo(**data))
         time.sleep(poll)
     raise BootstrapError(f"rank {rank.rank} on {rank.node}: no controller.json for job {rank.job_id} restart "
                          f"{rank.restart} in {jobdir.path} after {timeout:.0f}s; is rank 0 running? "

@@ -100,11 +100,18 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
             log.warning("this libzmq has no CURVE support: the control plane and the router run unauthenticated")
     nodes = [inv.node for inv in inventories]
     resume = job.resume_dir()
-    plane = ControlPlane(site, PlaneSettings(
-        node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
-        host=args.host, port=args.port, curve=keys, expected_agents=nodes, agent_in_thread=True,
-        node_index=rank.rank, replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else {},
-        restore_from=(resume,) if resume else (), show_progress=False))
+    try:
+        plane = ControlPlane(site, PlaneSettings(
+            node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
+            host=args.host, port=args.port, curve=keys, expected_agents=nodes, agent_in_thread=True,
+            node_index=rank.rank, replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else {},
+            restore_from=(resume,) if resume else (), show_progress=False))
+    except Exception as exc:
+        # The other ranks wait for the controller (in a bcast under MPI): tell them it is not coming, so the
+        # whole step ends and the job gives its nodes back instead of holding them until its time limit.
+        publish_controller(rank, jobdir, ControllerInfo(job_id=rank.job_id, restart=rank.restart, endpoint="",
+                                                        nodes=nodes, error=str(exc)), comm)
+        raise
     watch = start_requeue_watch(plane, site, job, rank, jobdir, nodes, args)
     if watch is not None:
         plane.add_stop_hook(watch.stop)
@@ -145,6 +152,9 @@ def run_joining_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout:
               file=sys.stderr)
         return 1
     info = ControllerInfo(**data)
+    if info.error:
+        print(f"error: the main job's controller did not start: {info.error}", file=sys.stderr)
+        return 1
     return _run_agent_for(info, site, rank, jobdir,
                           f"replacement node {rank.node} joined {info.endpoint} (job {info.job_id})")
 

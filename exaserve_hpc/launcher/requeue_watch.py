@@ -34,7 +34,9 @@ STOP_FILE = "stop-requested"
 def snapshot_from_status(status: dict, planned_nodes: list[str], controller_node: str,
                          seconds_left: Optional[float], requested: bool) -> RequeueSnapshot:
     agents = {a["agent_id"]: a["state"] for a in status.get("agents", [])}
-    live = tuple(sorted(n for n, state in agents.items() if state == "alive"))  # replacements count too
+    # A silent node (past misses x interval, within heartbeat.grace) is not lost yet: it counts as live, so
+    # no requeue is decided before the loss is, and the lost node is then in the exclusion.
+    live = tuple(sorted(n for n, state in agents.items() if state in ("alive", "silent")))  # replacements too
     lost = tuple(sorted(n for n, state in agents.items() if state == "lost"))
     return RequeueSnapshot(planned_nodes=len(planned_nodes), live_nodes=live, lost_nodes=lost,
                            controller_node=controller_node, seconds_left=seconds_left, requested=requested)

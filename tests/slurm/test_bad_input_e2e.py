@@ -24,11 +24,8 @@ ENDS_WITHIN = 60.0  # seconds after it: a failure at start must end the job, not
 def refused(job: Job, *words: str) -> str:
     """Wait for rank 0's error naming the setting, then for the job to end; return the job output.
 
-    Known today: rank 0 prints the right error and exits 1, but the other ranks wait on for a
-    controller (under srun --mpi=pmix in MPI_Bcast from the dead rank 0, with no timeout; in the
-    job-directory bootstrap for 300 s), so the job holds its nodes. Until the bootstrap ends them (rank 0
-    broadcasting its failure, or cancelling the job) that part is an expected failure (xfail); once it
-    lands these tests pass as they are. The message part fails for real."""
+    Rank 0 prints the error and publishes it in place of the controller's address, so the other ranks
+    (waiting in the MPI bcast or on the job directory) stop too and the job gives its nodes back."""
     deadline = time.monotonic() + MESSAGE_WITHIN
     while time.monotonic() < deadline and not all(w in job.log() for w in words):
         time.sleep(1)
@@ -46,8 +43,8 @@ def refused(job: Job, *words: str) -> str:
             return job.log()
         time.sleep(1)
     job.cancel()
-    pytest.xfail(f"job {job.job_id} still running {ENDS_WITHIN:.0f}s after rank 0's error: the other ranks wait "
-                 f"for a controller that failed at start (bootstrap)")
+    raise AssertionError(f"job {job.job_id} still running {ENDS_WITHIN:.0f}s after rank 0's error: the other "
+                         f"ranks wait for a controller that failed at start:\n{job.log()}")
 
 
 def edit_site(site, **sections) -> None:
