@@ -150,7 +150,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         replicas = sum(site.initial_replicas(m) for m in site.models)
         out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
                   f"{replicas} replica(s))", highlight=False)
-        for warning in site.engine_warnings():
+        from .quota.keys import plaintext_warnings
+        for warning in site.engine_warnings() + plaintext_warnings(site):
             err.print(f"{name}: warning: {warning}", highlight=False, markup=False)
     return 2 if failed else 0
 
@@ -286,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = commands.add_parser("rollout", help="canary rollout of a model version: start, promote, rollback")
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=cmd_rollout)
+
+    from .quota.cli import add_keys_arguments, add_usage_arguments
+    keys = commands.add_parser("keys", help="API keys of quota groups (stored hashed)")
+    add_keys_arguments(keys, site_help)
+    usage = commands.add_parser("usage", help="tokens, GPU-seconds and requests from the usage ledger, per "
+                                              "account, group or model")
+    add_usage_arguments(usage, site_help)
 
     model = commands.add_parser("model", help="create or verify model checkpoints")
     model_commands = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

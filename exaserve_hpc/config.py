@@ -131,6 +131,8 @@ class ModelConfig(_Section):
     weight_bytes: Optional[Size] = None  # for placement of models without a local checkpoint
     kv_bytes_per_token: Optional[Size] = None
     demand_weight: float = Field(1.0, gt=0)
+    # None: every caller sees the model; else only these quota groups (404 and absent from /v1/models for others)
+    visible_to: Optional[list[Name]] = None
 
     @model_validator(mode="after")
     def _tiny_fits(self) -> "ModelConfig":
@@ -311,6 +313,10 @@ class RequeueConfig(_Section):
 class QuotaGroup(_Section):
     name: Name
     account: Optional[str] = None  # Slurm account of the research group
+    # Keys are stored hashed (quota/keys.py): sha256:<hex> here and/or one a line in key_file (mode 0600);
+    # `exaserve keys add GROUP` makes one. Plaintext api_keys still work, with a warning.
+    api_key_hashes: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]] = Field(default_factory=list)
+    key_file: Optional[str] = None
     api_keys: list[str] = Field(default_factory=list)
     max_concurrent_requests: Optional[int] = Field(None, ge=1)
     tokens_per_minute: Optional[int] = Field(None, ge=1)  # prompt + completion tokens per rolling 60 s
@@ -330,12 +336,21 @@ class SiteConfig(_Section):
     models: list[ModelConfig] = Field(min_length=1)
     quota_groups: list[QuotaGroup] = Field(default_factory=list)
     run_dir: str = "~/.cache/exaserve/run"
+    # The usage ledger (quota/ledger.py); None: <run directory>/usage. Set it where a requeued job finds it again.
+    usage_dir: Optional[str] = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> "SiteConfig":
         _require_unique("models", [m.model_name for m in self.models])
         _require_unique("quota_groups", [g.name for g in self.quota_groups])
         _require_unique("api key in quota_groups", [k for g in self.quota_groups for k in g.api_keys])
+        _require_unique("api key hash in quota_groups", [h for g in self.quota_groups for h in g.api_key_hashes])
+        groups = {g.name for g in self.quota_groups}
+        for model in self.models:
+            unknown = [g for g in model.visible_to or () if g not in groups]
+            if unknown:
+                raise ValueError(f"model {model.model_name!r}: visible_to names {', '.join(map(repr, unknown))}, "
+                                 f"not among quota_groups ({', '.join(sorted(groups)) or 'none defined'})")
         return self
 
     def model(self, name: str) -> ModelConfig:

@@ -135,18 +135,27 @@ class TokenBudget:
 
 
 class Admission:
-    """Caps generation requests in flight (whole gateway, per quota group) and each group's tokens per minute."""
+    """Caps generation requests in flight (whole gateway, per quota group) and each group's tokens per minute.
+
+    With a ``ledger`` (quota/ledger.py), every request that produced tokens is recorded when its ticket is
+    released: its group, the group's Slurm account (``accounts``), model, tokens and GPU-seconds
+    (``gpu_share[model]``: a replica's GPUs over its batch slots, times the request's seconds).
+    """
 
     def __init__(self, max_inflight: int, group_limits: dict[str, int],
-                 tokens_per_minute: Optional[dict[str, int]] = None, clock: Callable[[], float] = time.monotonic):
+                 tokens_per_minute: Optional[dict[str, int]] = None, clock: Callable[[], float] = time.monotonic,
+                 ledger=None, accounts: Optional[dict[str, str]] = None,
+                 gpu_share: Optional[dict[str, float]] = None):
         self.max_inflight = max_inflight
         self.group_limits = group_limits
         self.budget = TokenBudget(tokens_per_minute or {})
         self.clock = clock
         self.inflight = 0
         self.by_group: dict[str, int] = {}
+        self.ledger, self.accounts, self.gpu_share = ledger, accounts or {}, gpu_share or {}
 
-    def admit(self, group: Optional[str]) -> "Ticket":
+    def admit(self, group: Optional[str], model: str = "", prompt_tokens: int = 0,
+              request_id: str = "") -> "Ticket":
         if self.inflight >= self.max_inflight:
             raise ApiError(429, f"the gateway is at its limit of {self.max_inflight} requests in flight "
                            "(gateway.max_queued_requests); retry after the Retry-After seconds",
@@ -168,14 +177,17 @@ class Admission:
             self.by_group[group] = self.by_group.get(group, 0) + 1
         metrics.INFLIGHT_REQUESTS.inc()
         metrics.GROUP_INFLIGHT.labels(group or "none").inc()
-        return Ticket(self, group)
+        return Ticket(self, group, model, prompt_tokens, request_id)
 
 
 class Ticket:
     """One admitted request's slot; ``release`` is idempotent (several paths end a request)."""
 
-    def __init__(self, admission: Admission, group: Optional[str]):
+    def __init__(self, admission: Admission, group: Optional[str], model: str = "", prompt_tokens: int = 0,
+                 request_id: str = ""):
         self._admission, self._group, self._held = admission, group, True
+        self._model, self._prompt_tokens, self._request_id = model, prompt_tokens, request_id
+        self._admitted = admission.clock()
 
     def release(self, tokens: int = 0) -> None:
         """Free the slot; `tokens` (prompt + completion) count against the group's tokens_per_minute."""
@@ -190,3 +202,18 @@ class Ticket:
         metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()
         if tokens > 0:
             metrics.GROUP_TOKENS.labels(self._group or "none").inc(tokens)
+        self._bill(tokens)
+
+    def _bill(self, tokens: int) -> None:
+        """Into the ledger, when the request produced tokens (one refused or failed before its first is not billed)."""
+        admission = self._admission
+        completion = tokens - self._prompt_tokens
+        if admission.ledger is None or completion <= 0:
+            return
+        from exaserve_hpc.quota.ledger import UsageRecord
+        seconds = max(0.0, admission.clock() - self._admitted)
+        group = self._group or "none"
+        admission.ledger.record(UsageRecord(
+            t=time.time(), request_id=self._request_id, group=group, account=admission.accounts.get(group, ""),
+            model=self._model, prompt_tokens=self._prompt_tokens, completion_tokens=completion,
+            gpu_seconds=round(seconds * admission.gpu_share.get(self._model, 0.0), 6)))

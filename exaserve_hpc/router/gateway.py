@@ -30,6 +30,7 @@ from exaserve_hpc.config import SiteConfig
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
 from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest
+from exaserve_hpc.quota.keys import KeyRing, plaintext_warnings
 from exaserve_hpc.router import openai_api as api
 from exaserve_hpc.router.policies import policy_class
 from exaserve_hpc.router.admission import (
@@ -85,18 +86,30 @@ def group_limits(site: SiteConfig) -> dict[str, int]:
             for g in groups if g.max_concurrent_requests is not None or len(groups) > 1}
 
 
+def gpu_share(site: SiteConfig) -> dict[str, float]:
+    """GPU-seconds one second of a request costs, per model: a replica's GPUs over its batch slots."""
+    return {m.model_name: m.tensor_parallel * m.pipeline_parallel / site.max_batch_size(m) for m in site.models}
+
+
 def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None,
-               admin_key: Optional[str] = None) -> FastAPI:
+               admin_key: Optional[str] = None, ledger=None) -> FastAPI:
     """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys.
 
     ``admin_routes`` (e.g. the router's rollout API) are mounted as they are; they carry their own auth.
     ``admin_key``: the deployment's admin key; with gateway.require_api_key, fleet status, /metrics and
     /openapi.json need it (/metrics also takes gateway.metrics_key).
+    ``ledger``: a quota.ledger.UsageLedger every finished request is recorded in (None: not recorded).
     """
     tokenizer = ByteTokenizer()
     admission = Admission(site.gateway.max_queued_requests, group_limits(site),
-                          {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None})
-    group_of_key = {key: group.name for group in site.quota_groups for key in group.api_keys}
+                          {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
+                          ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
+                          gpu_share=gpu_share(site))
+    keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
+    for warning in plaintext_warnings(site):
+        log.warning("%s", warning)
+    # Private models: model name -> the groups that may see it (absent: everyone).
+    visible_to = {m.model_name: set(m.visible_to) for m in site.models if m.visible_to is not None}
     # Prompts are hashed here, in the gateway processes, so the router's one thread only looks them up.
     hasher = policy_class(site.router.policy).prompt_hasher(site.router)
     keyed = site.gateway.require_api_key
@@ -119,7 +132,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         """The quota group of the caller's API key; 401 when keys are required and this one is not known."""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else ""
-        group = group_of_key.get(key)
+        group = keyring.group_of(key)
         if site.gateway.require_api_key and group is None:
             if not key:
                 raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>' with your "
@@ -146,8 +159,13 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             readiness[:] = [now, bool(backend.ready())]
         return readiness[1]
 
-    def served_model(name: str, request: Request) -> ModelInfo:
-        served = backend.models()
+    def visible(model_name: str, group: Optional[str]) -> bool:
+        allowed = visible_to.get(model_name)
+        return allowed is None or group in allowed
+
+    def served_model(name: str, request: Request, group: Optional[str]) -> ModelInfo:
+        # A private model is answered exactly as an unknown one: others learn nothing of it.
+        served = [m for m in backend.models() if visible(m.name, group)]
         for model in served:
             if model.name == name:
                 request.state.model = name
@@ -182,14 +200,14 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             raise ApiError(503, f"no replica is serving now (GET /health is 503); model {model.name!r} "
                            "cannot be answered until one is; retry after the Retry-After seconds",
                            code="no_replica", retry_after=5)
-        ticket = admission.admit(group)
+        rid = api.new_request_id()
+        ticket = admission.admit(group, model.name, len(prompt_ids), rid)
         metrics.PROMPT_TOKENS.labels(model.name).inc(len(prompt_ids))
         gen_request = GenerateRequest(
-            request_id=api.new_request_id(), model=model.name, prompt_token_ids=prompt_ids,
+            request_id=rid, model=model.name, prompt_token_ids=prompt_ids,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             quota_group=group, prefix_hashes=hasher(prompt_ids) if hasher else [],
             prefix_scheme=hasher.scheme if hasher else "")
-        rid = gen_request.request_id
         logs.REQUEST_ID.set(rid)  # this task's log lines carry it (--log-format json)
         try:
             gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived)
@@ -225,7 +243,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     @app.post("/v1/completions", response_model=None, summary="Complete a text prompt")
     async def completions(body: api.CompletionRequest, request: Request,
                           group: Optional[str] = Depends(caller_group)) -> Response:
-        model = served_model(body.model, request)
+        model = served_model(body.model, request, group)
         prompt_ids = tokenizer.encode(body.prompt)
         max_tokens = fit_completion(model, len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
         return await generate(request, COMPLETIONS, body, model, prompt_ids, max_tokens, group)
@@ -233,7 +251,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     @app.post("/v1/chat/completions", response_model=None, summary="Answer a chat conversation")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request,
                                group: Optional[str] = Depends(caller_group)) -> Response:
-        model = served_model(body.model, request)
+        model = served_model(body.model, request, group)
         try:
             prompt_ids = tokenizer.encode(apply_chat_template(body.messages))
         except ValueError as exc:
@@ -246,7 +264,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     async def list_models(group: Optional[str] = Depends(caller_group)) -> dict:
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
-             "max_model_len": m.max_seq_len} for m in backend.models()]}
+             "max_model_len": m.max_seq_len} for m in backend.models() if visible(m.name, group)]}
 
     @app.get("/v1/exaserve/status", summary="Fleet status: controller, agents, replicas")
     async def fleet_status(request: Request) -> dict:
@@ -257,7 +275,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     if keyed:
         @app.get("/openapi.json", include_in_schema=False)
         async def openapi_schema(request: Request) -> JSONResponse:
-            require_key(request, admin_key, *group_of_key, what="/openapi.json", which="one of this site's API keys")
+            if keyring.group_of(bearer(request)) is None:
+                require_key(request, admin_key, what="/openapi.json", which="one of this site's API keys")
             return JSONResponse(app.openapi())
 
     @app.get("/health", summary="200 when requests can be served now, 503 otherwise")

@@ -1,0 +1,78 @@
+"""Quota groups at the gateway: hashed keys (401 for a wrong one), private models, the usage ledger."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import MODEL, make_site
+from exaserve_hpc.config import parse_site
+from exaserve_hpc.quota.keys import hash_key
+from exaserve_hpc.quota.ledger import UsageLedger, read_usage, summarize
+from exaserve_hpc.router.backend import ModelInfo
+from exaserve_hpc.router.gateway import create_app
+from fake_backend import FakeBackend
+
+CLIMATE, BIO = "exa-climate-key-0123456789abcdef", "exa-bio-key-0123456789abcdef01"
+
+
+def quota_site(**extra):
+    return parse_site({
+        "site": "quota-test", "gateway": {"require_api_key": True},
+        "models": [{"model_name": MODEL, "max_seq_len": 256},
+                   {"model_name": "private", "max_seq_len": 256, "visible_to": ["climate"]}],
+        "quota_groups": [{"name": "climate", "account": "clim001", "api_key_hashes": [hash_key(CLIMATE)]},
+                         {"name": "bio", "account": "bio002", "api_key_hashes": [hash_key(BIO)]}], **extra})
+
+
+def test_hashed_keys_admit_their_group_and_a_wrong_key_is_401(start_gateway):
+    gw = start_gateway(quota_site())
+    answer = gw.client(api_key=CLIMATE).completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    assert answer.usage.completion_tokens == 3 and gw.backend.requests[-1].quota_group == "climate"
+    assert gw.client(api_key=BIO).models.list().data
+    for wrong in (hash_key(CLIMATE), CLIMATE[:-1], CLIMATE + "x", "sha256:" + "0" * 64):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            gw.client(api_key=wrong).completions.create(model=MODEL, prompt="hello", max_tokens=3)
+        assert caught.value.status_code == 401 and wrong not in str(caught.value.body)
+
+
+def test_a_private_model_is_404_and_unlisted_for_other_groups(start_gateway):
+    gw = start_gateway(quota_site())
+    climate, bio = gw.client(api_key=CLIMATE), gw.client(api_key=BIO)
+    assert {m.id for m in climate.models.list().data} == {MODEL, "private"}
+    assert {m.id for m in bio.models.list().data} == {MODEL}
+    assert climate.completions.create(model="private", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError) as caught:
+        bio.completions.create(model="private", prompt="hi", max_tokens=2)
+    unknown = caught.value.body
+    with pytest.raises(openai.NotFoundError) as absent:
+        bio.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    # answered exactly as a model that does not exist: the name given, and only bio's models listed
+    assert unknown["message"].replace("'private'", "X") == absent.value.body["message"].replace("'no-such-model'", "X")
+    with pytest.raises(openai.NotFoundError):
+        bio.chat.completions.create(model="private", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_every_finished_request_is_in_the_ledger_with_its_group_account_and_model(tmp_path):
+    site = quota_site(batching={"max_batch_size": 4})
+    models = [ModelInfo(m.model_name, m.max_seq_len, created=1) for m in site.models]
+    ledger = UsageLedger(tmp_path)
+    client = TestClient(create_app(FakeBackend(models), site, ledger=ledger))
+    counted = {"climate": [0, 0], "bio": [0, 0]}
+    for key, group, prompt, model in ((CLIMATE, "climate", "abcdef", MODEL), (BIO, "bio", "xy", MODEL),
+                                      (CLIMATE, "climate", "private prompt", "private")):
+        body = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4},
+                           headers={"Authorization": f"Bearer {key}"}).json()
+        counted[group][0] += body["usage"]["prompt_tokens"]
+        counted[group][1] += body["usage"]["completion_tokens"]
+    refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 300},
+                          headers={"Authorization": f"Bearer {BIO}"})
+    assert refused.status_code == 400  # never admitted, never billed
+    ledger.close()
+    records = list(read_usage(tmp_path))
+    assert len(records) == 3 and {r.account for r in records} == {"clim001", "bio002"}
+    assert all(r.gpu_seconds >= 0 and r.request_id for r in records)
+    rows = {r["group"]: r for r in summarize(records, by="group")}
+    assert {g: [rows[g]["prompt_tokens"], rows[g]["completion_tokens"]] for g in rows} == counted
+    assert {r["model"]: r["requests"] for r in summarize(records, by="model")} == {MODEL: 2, "private": 1}
