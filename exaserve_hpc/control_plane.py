@@ -325,8 +325,12 @@ class ControlPlane:
         client = RouterClient(self.router.frontend_endpoint, models, status=self.controller.status,
                               ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
         admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
+        from .quota.ledger import UsageLedger, ledger_dir
+        ledger = UsageLedger(ledger_dir(self.site, self.settings.state_dir))  # issue 15: what a centre bills from
+        self.add_stop_hook(ledger.close)
         return create_app(client, self.site, admin_routes=serving_admin_routes(
-            self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key)
+            self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key,
+            ledger=ledger)
 
     # ---------------------------------------------------------------- running and stopping
 
