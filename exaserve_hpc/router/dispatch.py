@@ -71,8 +71,9 @@ class Dispatcher:
             return [self._error_to(gateway, request.request_id, 409, "duplicate_request",
                                    f"request id {request.request_id!r} is already in flight")]
         deadline = now + (request.timeout or self.settings.request_timeout)
+        prompt = request.prompt_token_ids  # a RoutedRequest's is made on each access: once here
         entry = Inflight(request=request, gateway=gateway, accepted_at=now, deadline=deadline,
-                         prompt_len=len(request.prompt_token_ids), raw=raw)
+                         prompt=prompt, prompt_len=len(prompt), raw=raw)
         self.inflight[request.request_id] = entry
         self.counters["accepted"] += 1
         return self._dispatch(entry, now)
@@ -254,7 +255,8 @@ class Dispatcher:
             # if the stable version's are, its requests may go to the canary rather than wait or fail.
             if pool and any(r.replica_id not in self.unavailable and r.replica_id not in entry.tried for r in pool):
                 return pool
-        return self.pools.get(model) or ReplicaPool()
+        pool = self.pools.get(model)  # not `or`: that calls the pool's __len__ in Python
+        return pool if pool is not None else ReplicaPool()
 
     def _route(self, candidates: ReplicaPool, exclude, key: Optional[RoutingKey]) -> tuple[Optional[str], int]:
         decision = self.policy.route(candidates, exclude, key)
@@ -266,10 +268,12 @@ class Dispatcher:
     def _dispatch(self, entry: Inflight, now: float) -> list[Outgoing]:
         request = entry.request
         if entry.key is None and self._uses_prefix:
-            entry.key = self.policy.routing_key(request.prompt_token_ids, request.prefix_hashes,
+            entry.key = self.policy.routing_key(entry.prompt, request.prefix_hashes,
                                                 request.prefix_scheme)
         candidates = self._candidates(entry)
-        replica_id, matched = self._route(candidates, _Excluded(entry.tried, self.unavailable), entry.key)
+        # A first attempt has tried nothing: the set itself, whose `in` costs no Python call.
+        exclude = _Excluded(entry.tried, self.unavailable) if entry.tried else self.unavailable
+        replica_id, matched = self._route(candidates, exclude, entry.key)
         if replica_id is None and entry.tried:
             # Every replica was tried once; a second go on a healthy one beats failing.
             replica_id, matched = self._route(candidates, self.unavailable, entry.key)

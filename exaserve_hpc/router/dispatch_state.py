@@ -6,7 +6,7 @@ Plain records, no behaviour: `dispatch.py` owns the rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import msgspec
 
@@ -17,7 +17,7 @@ from .breaker import BreakerSettings, CircuitBreaker
 GATEWAY, REPLICA = "gateway", "replica"
 
 
-@dataclass
+@dataclass(slots=True)
 class Outgoing:
     side: str  # GATEWAY or REPLICA
     peer: bytes  # ZeroMQ identity of the receiver
@@ -124,13 +124,14 @@ class ReplicaEntry:
     latency_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # TTFT p50, p99, TPOT p50, p99
 
 
-@dataclass
+@dataclass(slots=True)
 class Inflight:
     request: Union[GenerateRequest, RoutedRequest]  # as the gateway sent it
     gateway: bytes
     accepted_at: float
     deadline: float
-    prompt_len: int = 0  # tokens in request.prompt_token_ids
+    prompt: Sequence[int] = ()  # request.prompt_token_ids (a RoutedRequest's PromptTokens, decoded on demand)
+    prompt_len: int = 0  # tokens in it
     raw: Optional[memoryview] = None  # the request as the gateway encoded it: sent on as it is the first time
     replica_id: Optional[str] = None
     dispatched_at: float = 0.0

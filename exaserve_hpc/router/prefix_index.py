@@ -105,15 +105,23 @@ class PrefixIndex:
     def record(self, replica_id: str, hashes: Sequence[int], held: int = 0) -> None:
         """Approximate mode: the router sent these blocks to this replica.
 
-        ``held``: leading blocks `match` found this replica holding. If the
-        last of them is in the young generation, all of them are (blocks of a
-        prefix are touched together), so only the blocks after it are written.
+        ``held``: leading blocks `match` found this replica holding. Those
+        already in the young generation are not written again: a prefix's
+        blocks are touched together, and block i whenever any block after it
+        is, so the young ones are leading blocks, found by binary search (the
+        old ones move to the young generation, which keeps them from eviction).
         """
         start = 0
         if held:
-            holders = self._young.get(hashes[held - 1])
-            if holders is not None and holders.get(replica_id, -1) == self._epoch.get(replica_id):
-                start = held
+            young, epoch = self._young, self._epoch.get(replica_id)
+            hi = held  # invariant: blocks < start are young with this holder, blocks >= hi are not
+            while start < hi:
+                mid = (start + hi + 1) >> 1
+                holders = young.get(hashes[mid - 1])
+                if holders is not None and holders.get(replica_id, -1) == epoch:
+                    start = mid
+                else:
+                    hi = mid - 1
         self._add(replica_id, hashes[start:] if start else hashes)
 
     def apply_events(self, replica_id: str, events: Sequence[object]) -> None:
@@ -140,11 +148,11 @@ class PrefixIndex:
             holders = young.get(h)
             if holders is None:
                 holders = old.pop(h, None)
-                if holders is None:
-                    holders = {}
+                if holders is None:  # a block nobody holds yet: the common case past a shared prefix
+                    young[h] = {replica_id: epoch}
+                    continue
                 young[h] = holders
-            else:
-                holders.pop(replica_id, None)
+            holders.pop(replica_id, None)
             holders[replica_id] = epoch  # newest holder last
             if len(holders) > cap:
                 del holders[next(iter(holders))]

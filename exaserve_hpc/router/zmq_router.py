@@ -36,7 +36,6 @@ so the dispatcher is never touched by two threads.
 from __future__ import annotations
 
 import logging
-import queue
 import socket as pysocket
 import threading
 import time
@@ -115,7 +114,9 @@ class ZmqRouter:
                          secure_server(self.backend, curve, self.context, "router backend")]
         self.frontend_endpoint = bind(self.frontend, host, frontend_port)
         self.backend_endpoint = bind(self.backend, host, backend_port)
-        self._calls: "queue.Queue[tuple[Callable[[], object], Future]]" = queue.Queue()
+        # deque: append and popleft are atomic, and an empty one costs the loop a truth test where
+        # queue.Queue.get_nowait raised Empty (a lock and an exception) on every pass.
+        self._calls: "deque[tuple[Callable[[], object], Future]]" = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exaserve-router", daemon=True)
         self._snapshot: dict = dispatcher.snapshot()
@@ -146,7 +147,7 @@ class ZmqRouter:
     def call(self, fn: Callable[[Dispatcher], T]) -> "Future[T]":
         """Run fn(dispatcher) on the router thread; its returned Outgoing list (if any) is sent."""
         future: Future = Future()
-        self._calls.put((lambda: fn(self.dispatcher), future))
+        self._calls.append((lambda: fn(self.dispatcher), future))
         return future
 
     def replica_lost(self, replica_id: str, cause: str) -> None:
@@ -179,7 +180,8 @@ class ZmqRouter:
                 self._drain_socket(self.backend, self._on_backend)
             if self.kv_events is not None and self.kv_events in events:
                 self._drain_kv_events()
-            self._run_calls()
+            if self._calls:
+                self._run_calls()
             if self._backlogs:
                 self._flush_backlogs()
             now = self.clock()
@@ -292,11 +294,9 @@ class ZmqRouter:
             self.dispatcher.on_kv_events(batch.replica_id, events)
 
     def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, future = self._calls.get_nowait()
-            except queue.Empty:
-                return
+        calls = self._calls
+        while calls:
+            fn, future = calls.popleft()
             try:
                 result = fn()
                 if isinstance(result, list) and all(isinstance(o, Outgoing) for o in result):
