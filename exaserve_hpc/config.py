@@ -299,6 +299,8 @@ class GatewayConfig(_Section):
     group_share: float = Field(0.5, gt=0, le=1)
     # A bearer key for /metrics only (Prometheus' authorization), when require_api_key; the admin key works too
     metrics_key: Optional[str] = Field(None, min_length=16)
+    # Half-life of the usage quota groups' fair share decays by (quota/shares.py), as Slurm's PriorityDecayHalfLife
+    fair_share_half_life: PositiveDuration = 3600.0
 
 
 class RequeueConfig(_Section):
@@ -320,6 +322,16 @@ class QuotaGroup(_Section):
     api_keys: list[str] = Field(default_factory=list)
     max_concurrent_requests: Optional[int] = Field(None, ge=1)
     tokens_per_minute: Optional[int] = Field(None, ge=1)  # prompt + completion tokens per rolling 60 s
+    # Shares of each model's request slots (quota/shares.py): always admitted below guaranteed_share,
+    # borrowing idle slots up to burst_share; None: no guarantee (borrowing only)
+    guaranteed_share: Optional[float] = Field(None, ge=0, le=1)
+    burst_share: float = Field(1.0, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _burst_above_guarantee(self) -> "QuotaGroup":
+        if self.guaranteed_share is not None and self.burst_share < self.guaranteed_share:
+            raise ValueError(f"burst_share ({self.burst_share}) is below guaranteed_share ({self.guaranteed_share})")
+        return self
 
 
 class SiteConfig(_Section):
@@ -346,6 +358,10 @@ class SiteConfig(_Section):
         _require_unique("api key in quota_groups", [k for g in self.quota_groups for k in g.api_keys])
         _require_unique("api key hash in quota_groups", [h for g in self.quota_groups for h in g.api_key_hashes])
         groups = {g.name for g in self.quota_groups}
+        guaranteed = sum(g.guaranteed_share or 0 for g in self.quota_groups)
+        if guaranteed > 1 + 1e-9:
+            raise ValueError(f"quota_groups' guaranteed_share add up to {guaranteed:g}; at most 1 (each model's "
+                             "slots cannot be promised twice)")
         for model in self.models:
             unknown = [g for g in model.visible_to or () if g not in groups]
             if unknown:

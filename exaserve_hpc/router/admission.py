@@ -21,6 +21,16 @@ from exaserve_hpc.router.backend import BackendError
 _OVERLOAD_RETRY_AFTER = 1.0  # seconds; a slot frees as soon as any in-flight request ends
 
 
+_SHARE_REFUSALS = {
+    "burst_ceiling": "quota group {group!r} holds its burst_share of model {model!r}'s capacity; wait for one of "
+                     "its requests to finish",
+    "borrowing_preempted": "model {model!r} is at capacity and quota group {group!r} is past its guaranteed_share: "
+                           "borrowed capacity went back to the groups it is guaranteed to; retry after Retry-After",
+    "fair_share": "quota group {group!r} holds its fair part of model {model!r}'s spare capacity (groups that used "
+                  "less lately go first); retry after Retry-After",
+}
+
+
 class ApiError(Exception):
     """A request the gateway answers with an error status and OpenAI's error body."""
 
@@ -145,7 +155,8 @@ class Admission:
     def __init__(self, max_inflight: int, group_limits: dict[str, int],
                  tokens_per_minute: Optional[dict[str, int]] = None, clock: Callable[[], float] = time.monotonic,
                  ledger=None, accounts: Optional[dict[str, str]] = None,
-                 gpu_share: Optional[dict[str, float]] = None):
+                 gpu_share: Optional[dict[str, float]] = None, shares=None,
+                 capacity: Optional[dict[str, int]] = None):
         self.max_inflight = max_inflight
         self.group_limits = group_limits
         self.budget = TokenBudget(tokens_per_minute or {})
@@ -153,6 +164,9 @@ class Admission:
         self.inflight = 0
         self.by_group: dict[str, int] = {}
         self.ledger, self.accounts, self.gpu_share = ledger, accounts or {}, gpu_share or {}
+        # Guarantees, borrowing and fair share per model (quota/shares.py SharePolicy); capacity: model -> slots
+        self.shares, self.capacity = shares, capacity or {}
+        self.by_model: dict[str, dict[str, int]] = {}  # model -> group -> requests in flight
 
     def admit(self, group: Optional[str], model: str = "", prompt_tokens: int = 0,
               request_id: str = "") -> "Ticket":
@@ -166,6 +180,13 @@ class Admission:
             raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
                            "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
                            retry_after=_OVERLOAD_RETRY_AFTER)
+        if self.shares is not None and model:
+            refusal = self.shares.decide(group, self.by_model.get(model, {}), self.capacity.get(model, 1),
+                                         self.clock())
+            if refusal:
+                metrics.QUOTA_REJECTIONS.labels(group or "none", refusal).inc()
+                raise ApiError(429, _SHARE_REFUSALS[refusal].format(group=group, model=model), code="quota_exceeded",
+                               retry_after=_OVERLOAD_RETRY_AFTER)
         wait = self.budget.wait(group, self.clock())
         if wait > 0:
             metrics.QUOTA_REJECTIONS.labels(group, "tokens_per_minute").inc()
@@ -175,6 +196,9 @@ class Admission:
         self.inflight += 1
         if group:
             self.by_group[group] = self.by_group.get(group, 0) + 1
+        if model:
+            per_group = self.by_model.setdefault(model, {})
+            per_group[group or ""] = per_group.get(group or "", 0) + 1
         metrics.INFLIGHT_REQUESTS.inc()
         metrics.GROUP_INFLIGHT.labels(group or "none").inc()
         return Ticket(self, group, model, prompt_tokens, request_id)
@@ -198,6 +222,10 @@ class Ticket:
         self._admission.inflight -= 1
         if self._group:
             self._admission.by_group[self._group] -= 1
+        if self._model:
+            self._admission.by_model[self._model][self._group or ""] -= 1
+        if self._admission.shares is not None and tokens > 0:
+            self._admission.shares.usage.add(self._group or "", tokens, self._admission.clock())
         metrics.INFLIGHT_REQUESTS.dec()
         metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()
         if tokens > 0:

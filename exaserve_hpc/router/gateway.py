@@ -91,6 +91,17 @@ def gpu_share(site: SiteConfig) -> dict[str, float]:
     return {m.model_name: m.tensor_parallel * m.pipeline_parallel / site.max_batch_size(m) for m in site.models}
 
 
+def share_policy(site: SiteConfig) -> dict:
+    """Admission's shares and capacity when any quota group has a guaranteed_share; capacity is each model's
+    configured replicas x batch slots (a model scaled up or down is not followed yet)."""
+    if not any(g.guaranteed_share is not None for g in site.quota_groups):
+        return {}
+    from exaserve_hpc.quota.shares import GroupShare, SharePolicy
+    shares = {g.name: GroupShare(g.guaranteed_share or 0.0, g.burst_share) for g in site.quota_groups}
+    capacity = {m.model_name: max(1, site.initial_replicas(m)) * site.max_batch_size(m) for m in site.models}
+    return dict(shares=SharePolicy(shares, site.gateway.fair_share_half_life), capacity=capacity)
+
+
 def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None,
                admin_key: Optional[str] = None, ledger=None) -> FastAPI:
     """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys.
@@ -104,7 +115,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     admission = Admission(site.gateway.max_queued_requests, group_limits(site),
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
                           ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
-                          gpu_share=gpu_share(site))
+                          gpu_share=gpu_share(site), **share_policy(site))
     keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
     for warning in plaintext_warnings(site):
         log.warning("%s", warning)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -76,3 +79,41 @@ def test_every_finished_request_is_in_the_ledger_with_its_group_account_and_mode
     rows = {r["group"]: r for r in summarize(records, by="group")}
     assert {g: [rows[g]["prompt_tokens"], rows[g]["completion_tokens"]] for g in rows} == counted
     assert {r["model"]: r["requests"] for r in summarize(records, by="model")} == {MODEL: 2, "private": 1}
+
+
+# ------------------------------------------------------------ through the gateway
+
+
+def test_two_groups_contend_on_one_model_at_the_gateway(start_gateway):
+    site = parse_site({
+        "site": "shares", "gateway": {"require_api_key": True}, "batching": {"max_batch_size": 8},
+        "models": [{"model_name": "m", "replicas": 1, "max_seq_len": 256}],
+        "quota_groups": [{"name": "owner", "guaranteed_share": 0.5, "burst_share": 0.5,
+                          "api_key_hashes": [hash_key("key-owner-0123456789")]},
+                         {"name": "burst", "burst_share": 0.75, "api_key_hashes": [hash_key("key-burst-0123456789")]}]})
+    gw = start_gateway(site, hold=True)  # streams wait until released: requests stay in flight
+    owner, burst = (gw.client(api_key=f"key-{g}-0123456789") for g in ("owner", "burst"))
+    pool = ThreadPoolExecutor(12)
+
+    def held(client, n):
+        before = len(gw.backend.requests)
+        futures = [pool.submit(client.completions.create, model="m", prompt="hello", max_tokens=3) for _ in range(n)]
+        deadline = time.monotonic() + 10
+        while len(gw.backend.requests) < before + n:
+            assert time.monotonic() < deadline, "requests were not admitted"
+            time.sleep(0.01)
+        return futures
+
+    # 8 slots: owner is guaranteed 4 (and may hold no more), burst none but may hold 6
+    accepted = held(burst, 5)  # the owner is idle: burst borrows one of its slots
+    accepted += held(owner, 4)  # the owner returns: all 4 guaranteed slots admitted, 9 in flight now
+    with pytest.raises(openai.RateLimitError) as refused:  # burst, under its ceiling, is cut back at once
+        burst.completions.create(model="m", prompt="hello", max_tokens=3)
+    assert "at capacity" in refused.value.message and refused.value.response.headers["Retry-After"] == "1"
+    with pytest.raises(openai.RateLimitError) as ceiling:
+        owner.completions.create(model="m", prompt="hello", max_tokens=3)
+    assert "burst_share" in ceiling.value.message
+    gw.backend.release.set()
+    assert all(f.result(timeout=10).usage.completion_tokens == 3 for f in accepted)  # no accepted request failed
+    assert burst.completions.create(model="m", prompt="hello", max_tokens=3).usage.completion_tokens == 3
+    pool.shutdown()
