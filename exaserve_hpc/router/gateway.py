@@ -116,6 +116,10 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
                           ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
                           gpu_share=gpu_share(site), **share_policy(site))
+    if ledger is not None and admission.shares is not None:  # fair share continues across a restart
+        from exaserve_hpc.quota.ledger import read_usage
+        from exaserve_hpc.quota.shares import restore_usage
+        restore_usage(admission.shares, read_usage(ledger.directory), time.time(), admission.clock())
     keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
     for warning in plaintext_warnings(site):
         log.warning("%s", warning)
