@@ -53,6 +53,9 @@ def controller_status(ctl: "Controller") -> dict:
                  "node": r.agent_id,
                  "nodes": list(r.assignment.nodes) if r.assignment else [],
                  "gpus": list(r.assignment.gpus) if r.assignment else [],
+                 # every pipeline stage's node and devices (node and gpus above are stage 0's)
+                 "stages": ([{"node": s.node, "gpus": list(s.gpus)} for s in r.assignment.stages]
+                            if r.assignment else []),
                  "memory_bytes": r.assignment.bytes_per_gpu if r.assignment else 0,
                  "pid": r.pid, "endpoint": ctl.router.backend_endpoint if r.replica_id in routed else None,
                  "queue_depth": routed.get(r.replica_id, {}).get("queue_depth", 0),

@@ -231,10 +231,12 @@ class Outcome:
 
 @dataclass
 class RequestStream:
-    """`workers` threads, each sending one completion request every `interval` seconds, until stopped."""
+    """`workers` threads, each sending one completion request every `interval` seconds, until stopped;
+    worker i's n-th request asks for models[(i + n) % len(models)]."""
     url: str
     workers: int = 4
     interval: float = 0.05
+    models: tuple[str, ...] = ("tiny-llama",)
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -247,7 +249,8 @@ class RequestStream:
                 started = time.time()
                 try:
                     response = client.post(f"{self.url}/v1/completions",
-                                            json={"model": "tiny-llama", "prompt": f"w{index} r{n}", "max_tokens": 8})
+                                            json={"model": self.models[(index + n) % len(self.models)],
+                                                  "prompt": f"w{index} r{n}", "max_tokens": 8})
                     ok = response.status_code == 200 and response.json()["choices"][0]["text"] != ""
                     detail = "" if ok else f"{response.status_code} {response.text[:200]}"
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
