@@ -153,6 +153,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         from .quota.keys import plaintext_warnings
         for warning in site.engine_warnings() + plaintext_warnings(site):
             err.print(f"{name}: warning: {warning}", highlight=False, markup=False)
+        if args.accounts:  # quota groups' Slurm accounts exist and this user may charge them (sacctmgr)
+            from .quota.accounts import AccountError, check_accounts
+            try:
+                check_accounts(site, user=os.environ.get("USER") or None)
+            except AccountError as exc:
+                err.print(f"{name}: {exc}", highlight=False, markup=False)
+                failed += 1
     return 2 if failed else 0
 
 
@@ -241,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     check = config_commands.add_parser("check", help="validate site config files (exit 2 on any error)")
     check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("--accounts", action="store_true",
+                       help="also check quota groups' Slurm accounts exist and $USER may charge them (sacctmgr)")
     check.set_defaults(func=cmd_config_check)
     show = config_commands.add_parser("show", help="print the resolved config with every default")
     show.add_argument("file", metavar="FILE")
