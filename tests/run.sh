@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves: iproute2 for its
 # network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod, Prometheus
 # (prometheus and promtool: the alert rules' tests and a real Prometheus scraping exaserve serve).
-DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus)
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus slurmdbd mariadb-server)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -101,6 +101,7 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     nodes = [inv.node for inv in inventories]
     resume = job.resume_dir()
     try:
+        check_quota_accounts(site)
         plane = ControlPlane(site, PlaneSettings(
             node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
             host=args.host, port=args.port, curve=keys, expected_agents=nodes, agent_in_thread=True,
@@ -122,6 +123,16 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     print(f"exaserve: rank 0 on {rank.node}: controller {endpoint}, gateway {plane.url}/v1, "
           f"{len(nodes)}/{rank.size} ranks reported ({', '.join(nodes)})", flush=True)
     return plane.run()  # serve.json in the job directory: `exaserve status --run-dir JOBDIR`
+
+
+def check_quota_accounts(site: SiteConfig, **check) -> None:
+    """Each quota group's Slurm account must exist and be the job user's to charge (issue: groups as Slurm
+    sees them). Raises AccountError naming group, account and user; without Slurm accounting, only warns."""
+    from ..quota.accounts import AccountingUnavailable, check_accounts
+    try:
+        check_accounts(site, **check)  # check: the sacctmgr seam (run=, user=) for tests
+    except AccountingUnavailable as exc:
+        log.warning("%s; quota groups' accounts not checked", exc)
 
 
 def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,

@@ -2,7 +2,8 @@
 
 ``account_problems`` is pure (what sacctmgr said -> messages naming group, account and user);
 ``check_accounts`` asks the real ``sacctmgr`` through one seam (``run``) and raises AccountError listing
-every problem. Not yet called at start by the launcher: see the quota helper's report.
+every problem. Rank 0 of `exaserve launch` calls it before it starts the controller: a group whose account is
+missing or not the user's stops the job; Slurm accounting that cannot be asked (no slurmdbd) is a warning.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Callable, Optional
 
 class AccountError(Exception):
     """A quota group whose Slurm account cannot be used, or Slurm accounting that cannot be asked."""
+
+
+class AccountingUnavailable(AccountError):
+    """sacctmgr could not be asked (not installed, no slurmdbd, a timeout): nothing is known about the accounts."""
 
 
 def _sacctmgr(args: list[str]) -> str:
@@ -53,10 +58,10 @@ def check_accounts(site, user: Optional[str] = None, run: Callable[[list[str]], 
         existing = parse_column(run(["show", "account", "format=account"]))
         chargeable = parse_column(run(["show", "assoc", "where", f"user={user}", "format=account,user"]))
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise AccountError(f"cannot ask Slurm accounting about the accounts of quota groups "
+        raise AccountingUnavailable(f"cannot ask Slurm accounting about the accounts of quota groups "
                            f"({', '.join(sorted(set(groups.values())))}): {exc}") from exc
     except AccountError as exc:
-        raise AccountError(f"cannot check the Slurm accounts of quota groups "
+        raise AccountingUnavailable(f"cannot check the Slurm accounts of quota groups "
                            f"({', '.join(sorted(set(groups.values())))}): {exc}") from exc
     problems = account_problems(groups, user, existing, chargeable)
     if problems:

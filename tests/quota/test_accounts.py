@@ -45,3 +45,22 @@ def test_the_real_sacctmgr_without_accounting_is_a_clear_refusal_naming_the_acco
         assert "bio002" in str(exc) and "clim001" in str(exc)
     else:
         pytest.skip("this machine has Slurm accounting: covered by the cluster tests")
+
+
+def test_rank_0_refuses_a_group_whose_account_is_not_the_users_and_only_warns_without_accounting(caplog):
+    from exaserve_hpc.launcher.rank import check_quota_accounts
+    from exaserve_hpc.quota.accounts import AccountingUnavailable
+
+    def known(args):
+        return "clim001|\nbio002|\n" if args[1] == "account" else "clim001|alice\n"
+
+    with pytest.raises(AccountError, match="'bio002'") as caught:
+        check_quota_accounts(SITE, user="alice", run=known)
+    assert not isinstance(caught.value, AccountingUnavailable)
+
+    def no_slurmdbd(args):
+        raise AccountError("sacctmgr show account failed (exit 1): Connection refused")
+
+    with caplog.at_level("WARNING", logger="exaserve.launch"):
+        check_quota_accounts(SITE, user="alice", run=no_slurmdbd)  # a warning, not a refusal
+    assert "not checked" in caplog.text and "clim001" in caplog.text
