@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -21,10 +22,14 @@ from .workload import Workload, WorkloadError, arrivals, load_workload
 WINDOW = 60.0  # seconds over which the peak rate is taken
 
 
-def workload_mix(workload: Workload, duration: float, seed: int = 0) -> list[RequestMix]:
-    """Per model: the highest rate over any WINDOW-second window, and the mean prompt and output lengths."""
+def workload_mix(workload: Workload, duration: float, seed: int = 0,
+                 max_seq: Optional[dict[str, int]] = None) -> list[RequestMix]:
+    """Per model: the highest rate over any WINDOW-second window, and the mean prompt and output lengths,
+    over the requests the gateway would accept (prompt + output within the model's max_seq_len)."""
     per: dict[str, list] = {}
     for r in arrivals(workload, duration, seed):
+        if max_seq is not None and r.prompt + r.max_tokens > max_seq.get(r.model, 1 << 62):
+            continue
         p = per.setdefault(r.model, [0, 0, 0, {}])
         p[0] += 1
         p[1] += r.prompt
@@ -47,7 +52,7 @@ def sized_site(site: SiteConfig, replicas: dict[str, int]) -> SiteConfig:
 def plan(site: SiteConfig, workload: Workload, headroom: float = HEADROOM) -> tuple[list[RequestMix], list]:
     specs = catalogue_from_site(site)
     share = {m.model_name: max(1, math.floor(1 / m.gpu_memory_utilization + 1e-9)) for m in site.models}
-    mixes = workload_mix(workload, workload.duration)
+    mixes = workload_mix(workload, workload.duration, max_seq={m.model_name: m.max_seq_len for m in site.models})
     return mixes, replicas_for_mix(specs, mixes, share, headroom=headroom)
 
 

@@ -47,16 +47,23 @@ def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = N
     return sim, summary, wall
 
 
+def per_gpu_hour(summary: dict) -> float:
+    return summary["completed"] / max(1e-9, summary["gpu_seconds_allocated"] / 3600)
+
+
 def comparison_text(static: dict, dynamic: dict) -> dict:
     """Utilisation of the GPUs each run held, at the workload's SLO (both must hold it to compare)."""
     gain = 100 * (dynamic["gpu_util_allocated"] - static["gpu_util_allocated"])
     slo = static["slo"]
     both = static["slo_held"] and dynamic["slo_held"]
-    text = (f"SLO: p99 TTFT <= {slo['ttft_p99_s']:g} s and p99 end-to-end <= {slo['e2e_p99_s']:g} s, no request lost. "
+    text = (f"SLO: p99 TTFT <= {slo['ttft_p99_s']:g} s and p99 end-to-end <= {slo['e2e_p99_s']:g} s (lost requests: "
+            f"static {static['lost']}, dynamic {dynamic['lost']}). "
             f"GPU utilisation (GPU work / GPU-seconds of the GPUs holding a replica): static "
             f"{static['gpu_util_allocated']:.1%}, dynamic {dynamic['gpu_util_allocated']:.1%} "
             f"({gain:+.1f} points); GPU-hours held {static['gpu_seconds_allocated'] / 3600:.1f} vs "
-            f"{dynamic['gpu_seconds_allocated'] / 3600:.1f}. ")
+            f"{dynamic['gpu_seconds_allocated'] / 3600:.1f}; requests completed per GPU-hour held "
+            f"{per_gpu_hour(static):.0f} vs {per_gpu_hour(dynamic):.0f}. Busy time counts a step of a small batch "
+            f"as fully as one of a full batch, so requests per GPU-hour is the efficiency figure. ")
     if not both:
         text += ("Not a like-for-like comparison: " + " and ".join(
             f"the {n} run did not hold the SLO" for n, s in (("static", static), ("dynamic", dynamic))

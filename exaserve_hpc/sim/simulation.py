@@ -351,7 +351,7 @@ class Simulation:
             "refused_too_long": self.too_long, "requeue": self.requeue, "events": rec.events, "nodes_lost": sorted(self.ctl.lost_at),
             "slo": {"ttft_p99_s": self.workload.slo_ttft_p99, "e2e_p99_s": self.workload.slo_e2e_p99},
             "slo_held": (rec.ttft_all.quantile(0.99) <= self.workload.slo_ttft_p99
-                         and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99 and lost == 0),
+                         and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99),  # latency; `lost` apart
             "static": self.static,
         }
 
