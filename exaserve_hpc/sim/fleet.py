@@ -19,7 +19,7 @@ from ..engine.timing import GpuTimings
 from ..protocol import ReplicaBye, ReplicaEvent, ReplicaHello
 from ..router.dispatch import Dispatcher
 from ..scheduler.catalogue import ModelSpec
-from .replica import SharedGpus, SimReplica
+from .replica import SimReplica
 
 REFERENCE_WEIGHT_BYTES = 16e9  # GpuTimings are for an 8B-parameter fp16 model on one GPU (engine/timing.py)
 STEP_TOKENS = 8192  # prefill tokens per step across the batch (vLLM's max_num_batched_tokens default)

@@ -120,3 +120,17 @@ def test_capacity_answers_and_the_simulator_checks(tmp_path):
     assert code == (0 if data["check"]["slo_held"] else 1)
     site = sized_site(small_site(), {"llama-3.1-8b-instruct": 7})
     assert site.initial_replicas(site.model("llama-3.1-8b-instruct")) == 7
+
+
+def test_fault_group_and_controller_node_loss_requeue_decision():
+    """A whole fault group lost, then rank 0's node: the controller re-places, the requeue policy decides."""
+    wl = parse_workload({"duration": "90s", "streams": [{"model": "llama-3.1-8b-instruct", "qps": 30}],
+                         "faults": [{"at": "10s", "kind": "fault_group_loss", "group": "rack03"},
+                                    {"at": "40s", "kind": "controller_node_loss"}]})
+    sim = Simulation(small_site(), wl)
+    s = sim.run()
+    assert s["lost"] == 0 and s["accepted"] > 2000
+    assert set(s["nodes_lost"]) == {"gpu01", "gpu13", "gpu14", "gpu15", "gpu16"}
+    assert s["requeue"]["reason"] == "controller-node-lost" and "gpu01" in s["requeue"]["exclude"]
+    live = [r for r in sim.ctl.replicas.values() if r.assignment is not None]
+    assert not any(set(r.assignment.nodes) & set(s["nodes_lost"]) for r in live)  # every replica re-placed
