@@ -8,7 +8,7 @@
 #   tests/slurm/accounting.sh env     print SLURM_CONF=... when up
 #
 # Needs root and Debian's slurmdbd, mariadb-server and munge (a running munged: cluster.sh up starts one).
-# Callers that also use the test cluster hold flock /tmp/slurm-cluster.lock.
+# Its daemons use their own ports and directory: it runs beside the test cluster (cluster.sh).
 set -euo pipefail
 
 STATE=${EXASERVE_ACCOUNTING_STATE:-/tmp/exaserve-slurm-accounting}
