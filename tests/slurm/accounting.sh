@@ -7,7 +7,7 @@
 #   tests/slurm/accounting.sh down    stop both (the database is kept in the state directory)
 #   tests/slurm/accounting.sh env     print SLURM_CONF=... when up
 #
-# Needs root and Debian's slurmdbd, mariadb-server and munge (a running munged: cluster.sh up starts one).
+# Needs root and Debian's slurmdbd, mariadb-server and munge (`cluster.sh munge` starts munged when it is not running).
 # Its daemons use their own ports and directory: it runs beside the test cluster (cluster.sh).
 set -euo pipefail
 
@@ -84,7 +84,7 @@ dbd_up() {
 
 case "${1:-}" in
     up)
-        munge -n </dev/null | unmunge >/dev/null 2>&1 || { echo "munge is not working: run tests/slurm/cluster.sh up (or start munged)" >&2; exit 1; }
+        "$(dirname "$0")/cluster.sh" munge  # the same munged the test cluster uses; started if it is not running
         db_up
         confs
         dbd_up

@@ -13,6 +13,7 @@
 # namespaces (no default route, no forwarding, no NAT).
 #
 #   tests/slurm/cluster.sh up               start (idempotent: a healthy cluster is left as it is)
+#   tests/slurm/cluster.sh munge            start munged only (idempotent; accounting.sh uses it)
 #   tests/slurm/cluster.sh down             stop everything; remove namespaces, bridge, hosts entries, cgroups
 #   tests/slurm/cluster.sh status           sinfo; exit 1 if the cluster is not up
 #   tests/slurm/cluster.sh kill-node NAME   cut NAME's link and kill every process of NAME (slurmd, steps, tasks)
@@ -406,6 +407,7 @@ down() {
 
 case "${1:-}" in
     up) up ;;
+    munge) munge_up ;;
     down) down ;;
     status) scontrol ping | grep -q UP && sinfo -N ;;
     kill-node) kill_node "${2:?node name}" ;;
