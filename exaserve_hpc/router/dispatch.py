@@ -157,12 +157,22 @@ class Dispatcher:
 
     def replica_lost(self, replica_id: str, cause: str, now: float, expected: bool = False) -> list[Outgoing]:
         """Drop a replica from rotation and move its in-flight requests elsewhere."""
-        if self._unregister(replica_id) is None:
-            return []
-        log.log(logging.INFO if expected else logging.WARNING, "replica %s out of rotation: %s", replica_id, cause)
+        return self._lose([(replica_id, cause)], now, expected)
+
+    def _lose(self, lost: list[tuple[str, str]], now: float, expected: bool = False) -> list[Outgoing]:
+        """Drop every replica of `lost` (id, cause) from rotation first, then move their in-flight requests:
+        a retry must not land on another replica lost at the same moment (a node's replicas fall silent
+        together) and spend one of the request's attempts on it."""
+        gone = []
+        for replica_id, cause in lost:
+            if self._unregister(replica_id) is None:
+                continue
+            log.log(logging.INFO if expected else logging.WARNING, "replica %s out of rotation: %s", replica_id, cause)
+            gone.append((replica_id, cause))
         out: list[Outgoing] = []
-        for entry in [e for e in self.inflight.values() if e.replica_id == replica_id]:
-            out += self._retry(entry, f"replica {replica_id} lost: {cause}", now)
+        for replica_id, cause in gone:
+            for entry in [e for e in self.inflight.values() if e.replica_id == replica_id]:
+                out += self._retry(entry, f"replica {replica_id} lost: {cause}", now)
         return out
 
     def drain(self, replica_id: str) -> list[Outgoing]:
@@ -181,8 +191,8 @@ class Dispatcher:
         for replica_id in list(self.open_breakers):  # cool-off over: half-open, one probe may go
             self._refresh(replica_id, now)
         heard_after = now - self.settings.replica_expiry  # one comparison a replica: 3,072 of them each tick
-        for replica_id, entry in [(r, e) for r, e in self.replicas.items() if e.last_seen < heard_after]:
-            out += self.replica_lost(replica_id, f"silent for {now - entry.last_seen:.1f}s", now)
+        out += self._lose([(r, f"silent for {now - e.last_seen:.1f}s")
+                           for r, e in self.replicas.items() if e.last_seen < heard_after], now)
         for entry in list(self.inflight.values()):
             rid = entry.request.request_id
             if now > entry.deadline:

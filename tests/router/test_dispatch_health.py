@@ -149,3 +149,19 @@ def test_prefill_estimate_is_charged_until_the_first_token():
     assert d.replicas["r1"].load.prefill_tokens == 4  # 10 cached blocks of 4: only the tail
     d.on_abort("b")
     assert d.replicas["r1"].load.prefill_tokens == 0 and d.replicas["r1"].load.outstanding == 0
+
+
+def test_replicas_falling_silent_together_are_all_out_before_their_requests_move():
+    """A node's replicas expire in the same tick: a request moved off one must not go to another of them."""
+    settings = DispatchSettings(max_attempts=2, first_token_timeout=5, replica_expiry=10, request_timeout=600)
+    d = Dispatcher(LeastLoad(), settings, {"m"})
+    for rid in ("a-dead", "b-dead", "live"):
+        hello(d, rid)
+    d.replicas["live"].load.outstanding = 6  # least-load prefers either dead replica while it is listed
+    d.replicas["b-dead"].load.outstanding = 1
+    [first] = targets(d.on_request(GW, req("r1"), 1.0))
+    assert first == "a-dead"
+    d.on_replica_message("live", TokenChunk(request_id="none", token_ids=[]), 20.0)  # only "live" is heard
+    out = d.tick(20.0)
+    assert targets(out) == ["live"]
+    assert not [o for o in out if isinstance(o.message, RequestError)]
