@@ -149,8 +149,8 @@ class MemoryPoolStatus(msgspec.Struct, omit_defaults=True):
     free: list[int] = []
     reservations: dict[str, int] = {}  # replica id -> bytes reserved (all its devices)
     devices: dict[str, list[int]] = {}  # replica id -> the devices its reservation is on
-
     device_ids: list[str] = []  # device i's CUDA_VISIBLE_DEVICES entry (UUID or granted id); [] = host only
+
 
 class L2EntryStatus(msgspec.Struct, omit_defaults=True):
     model: str

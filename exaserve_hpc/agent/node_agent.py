@@ -42,7 +42,7 @@ from ..protocol import (
 from ..units import format_size, parse_size
 from . import faults
 from .lifecycle import Lifecycle, ReplicaState
-from .gpu_binding import GpuGrant, GpuGrantError, node_grant, node_pool, replica_binding
+from .gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
 from .memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from .nvml_probe import host_memory, read_gpus
 from .replica_main import die_with_parent
@@ -135,6 +135,7 @@ class NodeAgent:
         self.socket.connect(self.controller)
         self.controller_heard = time.monotonic()  # the controller's silence counts from here
         gpus, why = read_gpus()
+        gpus = granted_telemetry(self.grant, gpus)  # the granted GPUs, as the pool numbers them
         if not gpus:
             log.info("%s", why)
         self._send(AgentHello(agent_id=self.agent_id, hostname=self.hostname, pid=os.getpid(),
@@ -437,7 +438,7 @@ class NodeAgent:
 
     def _heartbeat(self) -> None:
         self._seq += 1
-        gpus, _ = read_gpus() if self._seq % 5 == 1 else ([], "")
+        gpus = granted_telemetry(self.grant, read_gpus()[0]) if self._seq % 5 == 1 else []
         self._compose_beat(AgentHeartbeat(agent_id=self.agent_id, seq=self._seq,
                                   replicas=[slot.status() for slot in self.replicas.values()],
                                   gpus=gpus, host_memory_used=host_memory()[1], memory=self.pool.status(),
