@@ -17,7 +17,7 @@ The format (README, "Simulator"):
         block_tokens: 64           # granularity of prefix identity (a multiple of router.block_size)
       - model: mistral-7b-instruct
         kind: trace                # Mooncake format: timestamp (ms), input_length, output_length, hash_ids
-        path: /work/shared/traces/mooncake_conversation_trace.jsonl
+        path: ../shared/traces/mooncake_conversation_trace.jsonl  # default: $EXASERVE_TRACE, else shared/ beside the checkout
         rate: 10                   # arrival rate x10 (timestamps / 10); the trace repeats to fill duration
         block_tokens: 512          # the trace's hash_ids are 512-token blocks
     faults:
@@ -35,6 +35,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,17 @@ from ..units import parse_duration
 
 FAULT_KINDS = ("node_loss", "fault_group_loss", "slow_node", "controller_node_loss")
 STREAM_KINDS = ("synthetic", "trace")
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+def _default_trace() -> Path:
+    """The Mooncake conversation trace: $EXASERVE_TRACE, else the shared/ directory beside this checkout,
+    else the development machines' /work/shared."""
+    name = "traces/mooncake_conversation_trace.jsonl"
+    if os.environ.get("EXASERVE_TRACE"):
+        return Path(os.environ["EXASERVE_TRACE"])
+    beside = Path(__file__).resolve().parents[3] / "shared" / name
+    return beside if beside.is_file() else Path("/work/shared") / name
+
+
+DEFAULT_TRACE = _default_trace()
 
 
 class WorkloadError(ValueError):
