@@ -326,7 +326,10 @@ class ControlPlane:
                               ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
         admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
         from .quota.ledger import UsageLedger, ledger_dir
-        ledger = UsageLedger(ledger_dir(self.site, self.settings.state_dir))  # issue 15: what a centre bills from
+        # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
+        # successor that replaces it with the lost nodes excluded, appends to the same ledger.
+        ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
+        ledger = UsageLedger(ledger_dir(self.site, ledger_home))  # what a centre bills from
         self.add_stop_hook(ledger.close)
         return create_app(client, self.site, admin_routes=serving_admin_routes(
             self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key,

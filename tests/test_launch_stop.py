@@ -72,6 +72,8 @@ def test_every_rank_stops_gracefully(tmp_path, how):
     state = load_state(job_dir / CHECKPOINT_FILE)
     assert state.job_id == "t1" and len(state.placement) == 2 and all(n for _, n in state.placement.values())
     assert [p for p in l2.rglob("*") if p.is_file()] == [], "an agent left L2 files behind"
+    # The usage ledger lives beside the job directory, where a requeued or successor job appends too.
+    assert (job_dir.parent / "usage").is_dir() and not (job_dir / "usage").exists()
 
 
 def test_an_agent_rank_stops_by_itself_when_rank_0_gives_no_order():

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from .keys import append_key_hash, hash_key, key_file_path, new_key
-from .ledger import BY_CHOICES, ledger_dir, read_usage, summarize
+from .ledger import BY_CHOICES, default_ledger_dirs, read_usage, summarize
 
 USAGE_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "gpu_seconds")
 
@@ -78,12 +78,15 @@ def parse_time(text: Optional[str], flag: str) -> Optional[float]:
 
 def cmd_usage(args: argparse.Namespace) -> int:
     from ..cli import _load, err, out
-    directory = Path(args.dir).expanduser() if args.dir else ledger_dir(_load(args.site))
-    if not directory.is_dir():
-        err.print(f"[red]error[/]: no usage ledger at {directory} (nothing served yet, or pass --dir or set "
-                  "usage_dir)", highlight=False)
+    candidates = [Path(args.dir).expanduser()] if args.dir else default_ledger_dirs(_load(args.site))
+    directories = [d for d in candidates if d.is_dir()]
+    if not directories:
+        err.print(f"[red]error[/]: no usage ledger at {' or '.join(map(str, candidates))} (nothing served yet, or "
+                  "pass --dir or set usage_dir)", highlight=False)
         return 1
-    rows = summarize(read_usage(directory), by=args.by, since=parse_time(args.since, "--since"),
+    directory = ", ".join(map(str, directories))
+    records = (record for d in directories for record in read_usage(d))
+    rows = summarize(records, by=args.by, since=parse_time(args.since, "--since"),
                      until=parse_time(args.until, "--until"))
     if args.csv:
         buffer = io.StringIO()

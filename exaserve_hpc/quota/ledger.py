@@ -143,7 +143,16 @@ def summarize(records: Iterable[UsageRecord], by: str = "group", since: Optional
 
 
 def ledger_dir(site, run_dir: Optional[Path] = None) -> Path:
-    """site.usage_dir, else <run directory>/usage (run_dir: the serving process's state directory)."""
+    """site.usage_dir, else <run directory>/usage (run_dir: `exaserve serve`'s run directory, or under
+    `exaserve launch` the job root, the parent of the job directories)."""
     if site.usage_dir:
         return Path(os.path.expandvars(site.usage_dir)).expanduser()
     return Path(run_dir or site.run_path) / "usage"
+
+
+def default_ledger_dirs(site) -> list[Path]:
+    """Where `exaserve usage` looks without --dir: usage_dir, else serve's <run_dir>/usage and the default
+    job root's <run_dir>/jobs/usage (exaserve submit's JOB_ROOT)."""
+    if site.usage_dir:
+        return [ledger_dir(site)]
+    return [ledger_dir(site), ledger_dir(site, site.run_path / "jobs")]

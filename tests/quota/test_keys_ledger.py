@@ -112,3 +112,21 @@ def test_usage_command_csv_by_model_and_time_window(tmp_path):
                      "total_tokens": "14", "gpu_seconds": "1.0"}]
     bad = cli("usage", "--dir", str(tmp_path / "usage"), "--since", "yesterday")
     assert bad.returncode != 0 and "--since 'yesterday'" in bad.stderr
+
+
+def test_usage_without_dir_reads_serves_ledger_and_the_job_roots(tmp_path):
+    """`exaserve usage --site S` finds what `exaserve serve` wrote (<run_dir>/usage) and what every job of
+    `exaserve submit`'s default job root wrote (<run_dir>/jobs/usage: requeued and successor jobs alike)."""
+    run_dir = tmp_path / "run"
+    site = tmp_path / "site.yaml"
+    site.write_text(f"site: s\nrun_dir: {run_dir}\nmodels: [{{model_name: m}}]\n")
+    for directory, tokens in ((run_dir / "usage", 3), (run_dir / "jobs" / "usage", 5)):
+        ledger = UsageLedger(directory)
+        ledger.record(record(1_700_000_000.0 + tokens, "g", "m", tokens, 1))
+        ledger.close()
+    done = cli("usage", "--site", str(site), "--by", "group", "--csv")
+    assert done.returncode == 0, done.stderr
+    [row] = list(csv.DictReader(io.StringIO(done.stdout)))
+    assert row["requests"] == "2" and row["prompt_tokens"] == "8"
+    missing = cli("usage", "--site", str(tmp_path / "site.yaml"), "--dir", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "no usage ledger" in missing.stderr
