@@ -31,6 +31,7 @@
 set -euo pipefail
 
 STATE="${EXASERVE_SLURM_DIR:-/var/tmp/exaserve-slurm}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)"
 CONF="$STATE/slurm.conf"
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 NODES=(n1 n2 n3 n4)
@@ -263,13 +264,18 @@ slurmd_up() {
     local n="$1"
     if pid_alive "$(pidfile_pid "$STATE/slurmd-$n.pid")"; then return 0; fi
     mkdir -p "$STATE/spool/$n"
+    # The jobs run this checkout's own install: a checkout under /tmp (a CI clone, say) stays visible at
+    # its path inside the node's private /tmp, as a home or project directory would on a real cluster.
+    local repo=""
+    case "$REPO_ROOT/" in /tmp/*) repo="$REPO_ROOT"; mkdir -p "$STATE/nodes/$n/tmp${repo#/tmp}" ;; esac
     EXASERVE_VNODE="$n" nsenter --net="/var/run/netns/$(netns "$n")" -- \
         unshare --mount --uts --propagation private -- sh -c '
             set -e
             hostname "$1"
-            mount --bind "$2/nodes/$1/tmp" /tmp
+            [ -z "$4" ] || mount --bind "$4" "$2/nodes/$1/tmp${4#/tmp}"
+            mount --rbind "$2/nodes/$1/tmp" /tmp
             mount --bind "$2/nodes/$1/shm" /dev/shm
-            exec /usr/sbin/slurmd -N "$1" -f "$3"' slurmd-up "$n" "$STATE" "$CONF"
+            exec /usr/sbin/slurmd -N "$1" -f "$3"' slurmd-up "$n" "$STATE" "$CONF" "$repo"
 }
 
 wait_idle() {
