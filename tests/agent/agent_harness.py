@@ -41,7 +41,7 @@ class AgentUnderTest:
         self.messages: list = []
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
         self.thread.start()
-        self.peer = self.wait_for(lambda m: True, timeout=10).agent_id.encode()
+        self.peer = self.wait_for(lambda m: True, timeout=60).agent_id.encode()
 
     # ------------------------------------------------------------ talking
 
@@ -64,7 +64,7 @@ class AgentUnderTest:
             self.messages.append(decode(frame))
             timeout = 0.0
 
-    def wait_for(self, predicate, timeout: float = 30.0, start: int = 0):
+    def wait_for(self, predicate, timeout: float = 60.0, start: int = 0):
         deadline = time.monotonic() + timeout
         seen = start
         while time.monotonic() < deadline:
@@ -75,11 +75,11 @@ class AgentUnderTest:
             seen = len(self.messages)
         raise AssertionError(f"timed out; got {[type(m).__name__ for m in self.messages][-20:]}")
 
-    def wait_state(self, replica_id: str, state: str, timeout: float = 30.0) -> ReplicaEvent:
+    def wait_state(self, replica_id: str, state: str, timeout: float = 60.0) -> ReplicaEvent:
         return self.wait_for(lambda m: isinstance(m, ReplicaEvent) and m.replica_id == replica_id
                              and m.state == state, timeout)
 
-    def wait_terminal(self, replica_id: str, timeout: float = 30.0) -> ReplicaEvent:
+    def wait_terminal(self, replica_id: str, timeout: float = 60.0) -> ReplicaEvent:
         return self.wait_for(lambda m: isinstance(m, ReplicaEvent) and m.replica_id == replica_id
                              and m.state in ("stopped", "failed"), timeout)
 
