@@ -90,11 +90,14 @@ class AgentUnderTest:
         return [m for m in self.messages if isinstance(m, LoadFailed)]
 
     def heartbeat(self, after: float = 0.0) -> AgentHeartbeat:
-        """The first heartbeat sent after ``after`` seconds from now."""
+        """The first heartbeat composed after ``after`` seconds from now. The agent composes a beat in its loop
+        and a heartbeat thread sends it (again, each interval, until the next is composed), so a beat received
+        now may be older than the last event: one numbered past the next is certainly composed after now."""
         self.pump()
         start = len(self.messages)
+        seen = max((m.seq for m in self.messages if isinstance(m, AgentHeartbeat)), default=0)
         time.sleep(after)
-        return self.wait_for(lambda m: isinstance(m, AgentHeartbeat), start=start)
+        return self.wait_for(lambda m: isinstance(m, AgentHeartbeat) and m.seq > seen + 1, start=start)
 
     def settle(self, predicate, timeout: float = 15.0) -> AgentHeartbeat:
         """Wait for a heartbeat satisfying ``predicate``."""
