@@ -9,14 +9,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 from ..protocol import GpuInfo
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def read_gpus() -> tuple[list[GpuInfo], str]:
-    """(GPUs with memory/utilisation/temperature/power, reason when there are none)."""
+
+def _each_gpu(describe: Callable[[Any, int, Any], T]) -> tuple[list[T], str]:
+    """describe(pynvml, index, handle) for every GPU NVML sees: (the results, reason when there are none).
+    The one place that initialises and shuts down NVML and turns its failures into a reason."""
     try:
         import pynvml
     except ImportError:
@@ -26,17 +30,9 @@ def read_gpus() -> tuple[list[GpuInfo], str]:
     except Exception as exc:  # NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
         return [], f"no GPU: NVML unavailable ({exc})"
     try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(GpuInfo(
-                index=index, name=_text(pynvml.nvmlDeviceGetName(handle)),
-                memory_total=int(memory.total), memory_used=int(memory.used),
-                utilization=float(_optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, 0)),
-                temperature=float(_optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, 0), 0)),
-                power_watts=float(_optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 0)) / 1000.0))
-        return gpus, "" if gpus else "no GPU: NVML reports 0 devices"
+        found = [describe(pynvml, index, pynvml.nvmlDeviceGetHandleByIndex(index))
+                 for index in range(pynvml.nvmlDeviceGetCount())]
+        return found, "" if found else "no GPU: NVML reports 0 devices"
     except Exception as exc:
         log.warning("NVML query failed: %s", exc)
         return [], f"NVML query failed ({exc})"
@@ -45,6 +41,19 @@ def read_gpus() -> tuple[list[GpuInfo], str]:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def read_gpus() -> tuple[list[GpuInfo], str]:
+    """(GPUs with memory/utilisation/temperature/power, reason when there are none)."""
+    def describe(pynvml, index: int, handle) -> GpuInfo:
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return GpuInfo(
+            index=index, name=_text(pynvml.nvmlDeviceGetName(handle)),
+            memory_total=int(memory.total), memory_used=int(memory.used),
+            utilization=float(_optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, 0)),
+            temperature=float(_optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, 0), 0)),
+            power_watts=float(_optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 0)) / 1000.0)
+    return _each_gpu(describe)
 
 
 @dataclass(frozen=True)
@@ -59,34 +68,16 @@ class NvmlDevice:
 
 def read_devices() -> tuple[list[NvmlDevice], str]:
     """(every GPU NVML sees, reason when there are none); same failure rules as read_gpus."""
-    try:
-        import pynvml
-    except ImportError:
-        return [], "nvidia-ml-py is not installed"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:
-        return [], f"no GPU: NVML unavailable ({exc})"
-    try:
-        words = -(-(os.cpu_count() or 1) // 64)  # the CPU mask comes as 64-bit words
-        devices = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            mask = _optional(lambda: list(pynvml.nvmlDeviceGetCpuAffinity(handle, words)), [])
-            devices.append(NvmlDevice(
-                index=index, uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                minor=int(_optional(lambda: pynvml.nvmlDeviceGetMinorNumber(handle), -1)),
-                memory_free=int(pynvml.nvmlDeviceGetMemoryInfo(handle).free),
-                cpus=frozenset(w * 64 + b for w, word in enumerate(mask) for b in range(64) if int(word) >> b & 1)))
-        return devices, "" if devices else "no GPU: NVML reports 0 devices"
-    except Exception as exc:
-        log.warning("NVML query failed: %s", exc)
-        return [], f"NVML query failed ({exc})"
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    words = -(-(os.cpu_count() or 1) // 64)  # the CPU mask comes as 64-bit words
+
+    def describe(pynvml, index: int, handle) -> NvmlDevice:
+        mask = _optional(lambda: list(pynvml.nvmlDeviceGetCpuAffinity(handle, words)), [])
+        return NvmlDevice(
+            index=index, uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            minor=int(_optional(lambda: pynvml.nvmlDeviceGetMinorNumber(handle), -1)),
+            memory_free=int(pynvml.nvmlDeviceGetMemoryInfo(handle).free),
+            cpus=frozenset(w * 64 + b for w, word in enumerate(mask) for b in range(64) if int(word) >> b & 1))
+    return _each_gpu(describe)
 
 
 def _optional(read, default):
