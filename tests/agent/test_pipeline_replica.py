@@ -35,6 +35,7 @@ from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.scheduler.pipeline import PipelineStages
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -44,14 +45,6 @@ PROMPT = [256] + list(b"Pipeline stages on two nodes, one replica.")
 MAX_TOKENS = 12
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def pp_site(tmp_path, nodes: int = 2):

@@ -27,6 +27,7 @@ from exaserve_hpc.router.zmq_router import ZmqRouter
 from exaserve_hpc.scheduler.controller import Controller
 
 from tests.serve_harness import ROOT, alive
+from tests.waiting import wait_for
 
 MODEL = "tiny-llama"
 TOK = ByteTokenizer()
@@ -108,14 +109,6 @@ class Stream(threading.Thread):
         return -1, -1
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def test_a_rebalance_round_moves_one_replica_under_load_and_the_moved_replica_hits_its_prefix(tmp_path):

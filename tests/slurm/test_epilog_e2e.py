@@ -5,9 +5,10 @@ another job of the same user still runs on that node. Marked slurm: under CI=tru
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
+
+from tests.waiting import wait_for
 
 from .fleet import epilog_lines, node_shm
 
@@ -30,32 +31,24 @@ def running(job: int) -> bool:
     return out == "RUNNING"
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_epilog_removes_a_jobs_leftover_l2_unless_the_user_still_runs_a_job_there(slurm_cluster):
     first, second = sbatch_sleeper(), sbatch_sleeper()
     try:
-        wait_for(lambda: running(first) and running(second), 60, "both jobs running on " + NODE)
+        wait_for(lambda: running(first) and running(second), 60, "both jobs running on " + NODE, interval=0.5)
         # What an agent killed past its grace time leaves: its L2 under the node's /dev/shm.
         leftover = node_shm(NODE) / "exaserve-l2-0" / NODE
         leftover.mkdir(parents=True, exist_ok=True)
         (leftover / "weights.bin").write_bytes(b"\0" * 4096)
 
         subprocess.run(["scancel", str(first)], check=True, timeout=30)
-        said = wait_for(lambda: epilog_lines(first), 60, f"the epilog of job {first}")
+        said = wait_for(lambda: epilog_lines(first), 60, f"the epilog of job {first}", interval=0.5)
         assert "kept L2 of uid 0: other jobs on this node" in said[0] and str(second) in said[0], said
         assert (leftover / "weights.bin").exists()
 
         subprocess.run(["scancel", str(second)], check=True, timeout=30)
-        said = wait_for(lambda: epilog_lines(second), 60, f"the epilog of job {second}")
+        said = wait_for(lambda: epilog_lines(second), 60, f"the epilog of job {second}", interval=0.5)
         assert "removed leftover L2 /dev/shm/exaserve-l2-0 (1 files" in said[0], said
         assert not (node_shm(NODE) / "exaserve-l2-0").exists()
     finally:
