@@ -17,7 +17,7 @@ from rich.table import Table
 from ..config import SiteConfig, parse_site
 from ..scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
 from ..scheduler.catalogue import catalogue_from_site
-from .workload import Workload, WorkloadError, arrivals, load_workload
+from .workload import Workload, arrivals, workload_from_args
 
 WINDOW = 60.0  # seconds over which the peak rate is taken
 
@@ -57,13 +57,9 @@ def plan(site: SiteConfig, workload: Workload, headroom: float = HEADROOM) -> tu
 
 
 def cmd_capacity(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
-    try:
-        workload = load_workload(args.workload)
-    except WorkloadError as exc:
-        console.print(f"[red]error[/]: {exc}", highlight=False)
+    workload = workload_from_args(args, console)
+    if workload is None:
         return 2
-    if args.rate:
-        workload = workload.scaled(args.rate)
     mixes, estimates = plan(site, workload, args.headroom)
     answer = {e.model: e.replicas for e in estimates}
     table = Table(title=f"capacity for {workload.name} on {site.site} ({args.headroom:.0%} headroom)")

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ..config import SiteConfig
 from .report import write_report
 from .simulation import Simulation
-from .workload import Workload, WorkloadError, load_workload
+from .workload import Workload, workload_from_args
 
 
 def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = None, static: bool = False,
@@ -74,13 +74,9 @@ def comparison_text(static: dict, dynamic: dict) -> dict:
 
 
 def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
-    try:
-        workload = load_workload(args.workload)
-    except WorkloadError as exc:
-        console.print(f"[red]error[/]: {exc}", highlight=False)
+    workload = workload_from_args(args, console)
+    if workload is None:
         return 2
-    if args.rate:
-        workload = workload.scaled(args.rate)
     runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
     results = {}
     for name in runs:

@@ -286,3 +286,13 @@ def arrivals(workload: Workload, duration: float, seed: int = 0) -> Iterator[Req
     its = [synthetic(s, k, duration, seed) if s.kind == "synthetic" else trace(s, k, duration)
            for k, s in enumerate(workload.streams)]
     return heapq.merge(*its, key=lambda r: r.arrival)
+
+
+def workload_from_args(args, console) -> Optional[Workload]:
+    """The workload `--workload` names, scaled by `--rate` (simulate and capacity); None after printing why not."""
+    try:
+        workload = load_workload(args.workload)
+    except WorkloadError as exc:
+        console.print(f"[red]error[/]: {exc}", highlight=False)
+        return None
+    return workload.scaled(args.rate) if args.rate else workload

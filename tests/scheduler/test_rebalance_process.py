@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 
-import pytest
 import yaml
 import zmq
 
