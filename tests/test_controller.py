@@ -356,6 +356,9 @@ def test_a_reversal_waits_for_the_cooldown_and_takes_a_fresh_id(make_controller)
         replicas=2, scheduler={"cooldown_period": 1.5, "scale_up_threshold": 0.5},
         model={"min_replicas": 1, "max_batch_size": 2})
     agent.hello()
+    # Nothing serves until serve_all reports it, so a tick sees 0 < min_replicas and scales up; wait for
+    # that tick (under load it can come after the StartReplica messages, which placement sends).
+    wait_for(lambda: MODEL in controller.last_scaling, what="the start-up's scale-up")
     first, second = serve_all(agent, 2)
     (startup, up_at) = controller.last_scaling[MODEL]  # the start-up's scale-up (wall time)
     assert startup.direction == UP

@@ -81,6 +81,13 @@ def test_capacity_floor_checkpoints_and_a_successor_excluding_the_dead_node_rest
         assert all(exits.get(rank) == "exit 0" for rank in range(NODES - 1)), (exits, job.log())
         print(f"requeue: kill -> first run ended {time.time() - t0:.1f}s")
 
+        # The stop writes the checkpoint once more (same placement and exclusion, a later saved_at):
+        # that final one is what the successor restores.
+        final = load_state(checkpoint)
+        assert final.excluded_nodes == [victim] and sorted(final.placement) == sorted(saved.placement), final
+        assert victim not in {node for _, node in final.placement.values()}, final
+        saved = final
+
         after = wait_serving(successor, agents=NODES, replicas=REPLICAS, timeout=180)
         print(f"requeue: kill -> successor serving {time.time() - t0:.1f}s")
         restored = after["restored"]
