@@ -10,6 +10,7 @@ autoscaler's input, and `pick_for_removal` chooses what a scale-down stops
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
@@ -140,16 +141,37 @@ def pick_for_removal(records: Iterable[ReplicaRecord], routed: Mapping[str, dict
                      group_of: Mapping[str, str] = {}) -> list[str]:
     """The `count` replicas a scale-down stops: those not serving first (nothing in flight), then the
     fewest requests in flight, then from the fault group holding most of the model's replicas (so the
-    spread across groups holds; `group_of`: node -> fault group), then the newest."""
-    chosen: list[str] = []
+    spread across groups holds; `group_of`: node -> fault group), then the newest.
+
+    One choice at a time, as that rule reads, but without rescanning every replica per choice (a
+    scale-down of 2,000 replicas took seconds of the controller's tick): replicas are bucketed by
+    (serving, in flight), then by group, newest first; a choice looks at the lowest bucket's groups
+    only (a handful), and the group counts, the only part that changes, are kept as it goes."""
     left = [r for r in records if not r.stopping]
-    for _ in range(max(0, min(count, len(left)))):
-        per_group: dict[str, int] = {}
-        for r in left:
-            g = group_of.get(r.agent_id or "", "")
-            per_group[g] = per_group.get(g, 0) + 1
-        best = min(left, key=lambda r: (r.serving, in_flight(routed, r.replica_id),
-                                        -per_group[group_of.get(r.agent_id or "", "")], -replica_index(r.replica_id)))
-        chosen.append(best.replica_id)
-        left.remove(best)
+    count = max(0, min(count, len(left)))
+    if not count:
+        return []
+    per_group: dict[str, int] = {}
+    buckets: dict[tuple, dict[str, list]] = {}  # (serving, in flight) -> group -> heap of (-index, order, id)
+    for order, r in enumerate(left):
+        g = group_of.get(r.agent_id or "", "")
+        per_group[g] = per_group.get(g, 0) + 1
+        heap = buckets.setdefault((r.serving, in_flight(routed, r.replica_id)), {}).setdefault(g, [])
+        heap.append((-replica_index(r.replica_id), order, r.replica_id))
+    for groups in buckets.values():
+        for heap in groups.values():
+            heapq.heapify(heap)
+    chosen: list[str] = []
+    for key in sorted(buckets):  # buckets only empty as replicas are chosen, so one pass in order
+        groups = buckets[key]
+        while groups and len(chosen) < count:
+            # the group holding most replicas overall; ties: the newest replica, then the caller's order
+            g = min(groups, key=lambda g: (-per_group[g], groups[g][0]))
+            _, _, rid = heapq.heappop(groups[g])
+            if not groups[g]:
+                del groups[g]
+            per_group[g] -= 1
+            chosen.append(rid)
+        if len(chosen) >= count:
+            break
     return chosen
