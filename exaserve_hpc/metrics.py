@@ -82,11 +82,46 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
     registry=REGISTRY,
 )
+# Per quota group: label values come from the site config (quota_groups[].name and .account; 'none' and ''
+# for callers without a group) and the served model names, never from a request.
+GROUP = ["group", "account", "model"]
 QUOTA_REJECTIONS = Counter(
     "exaserve_quota_rejections_total",
-    "Requests refused with 429 because their quota group was at a limit "
-    "(limit: max_concurrent_requests or tokens_per_minute).",
-    ["group", "limit"],
+    "Requests refused with 429 because their quota group was at a limit, by reason (limit: "
+    "max_concurrent_requests, tokens_per_minute, burst_ceiling, borrowing_preempted, fair_share).",
+    ["group", "account", "model", "limit"],
+    registry=REGISTRY,
+)
+GROUP_REQUESTS = Counter(
+    "exaserve_group_requests_total",
+    "Generation requests admitted and ended (any outcome), by quota group, its Slurm account and model.",
+    GROUP,
+    registry=REGISTRY,
+)
+GROUP_PROMPT_TOKENS = Counter(
+    "exaserve_group_prompt_tokens_total",
+    "Prompt tokens of finished requests that produced tokens (what the usage ledger bills), by quota group, "
+    "account and model.",
+    GROUP,
+    registry=REGISTRY,
+)
+GROUP_COMPLETION_TOKENS = Counter(
+    "exaserve_group_completion_tokens_total",
+    "Completion tokens of finished requests (what the usage ledger bills), by quota group, account and model.",
+    GROUP,
+    registry=REGISTRY,
+)
+GROUP_SHARE_USED = Gauge(
+    "exaserve_group_share_used_ratio",
+    "The quota group's requests in flight on the model over the model's request slots (replicas x batch "
+    "slots): compare with exaserve_group_share_ratio's guaranteed and burst shares.",
+    GROUP,
+    registry=REGISTRY,
+)
+GROUP_SHARE = Gauge(
+    "exaserve_group_share_ratio",
+    "The quota group's configured share of each model's slots (kind: guaranteed_share or burst_share).",
+    ["group", "account", "kind"],
     registry=REGISTRY,
 )
 GROUP_TOKENS = Counter(

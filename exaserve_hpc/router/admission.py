@@ -167,6 +167,18 @@ class Admission:
         # Guarantees, borrowing and fair share per model (quota/shares.py SharePolicy); capacity: model -> slots
         self.shares, self.capacity = shares, capacity or {}
         self.by_model: dict[str, dict[str, int]] = {}  # model -> group -> requests in flight
+        for name, share in (shares.shares.items() if shares is not None else ()):
+            metrics.GROUP_SHARE.labels(name, self.accounts.get(name, ""), "guaranteed_share").set(share.guaranteed)
+            metrics.GROUP_SHARE.labels(name, self.accounts.get(name, ""), "burst_share").set(share.burst)
+
+    def labels(self, group: Optional[str], model: str) -> tuple[str, str, str]:
+        """metrics.GROUP's label values: the group ('none' without one), its account, the model."""
+        return group or "none", self.accounts.get(group or "", ""), model
+
+    def _share_used(self, group: Optional[str], model: str) -> None:
+        if model in self.capacity:
+            used = self.by_model.get(model, {}).get(group or "", 0) / max(1, self.capacity[model])
+            metrics.GROUP_SHARE_USED.labels(*self.labels(group, model)).set(used)
 
     def admit(self, group: Optional[str], model: str = "", prompt_tokens: int = 0,
               request_id: str = "") -> "Ticket":
@@ -176,7 +188,7 @@ class Admission:
                            code="overloaded", retry_after=_OVERLOAD_RETRY_AFTER)
         limit = self.group_limits.get(group) if group else None
         if limit is not None and self.by_group.get(group, 0) >= limit:
-            metrics.QUOTA_REJECTIONS.labels(group, "max_concurrent_requests").inc()
+            metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), "max_concurrent_requests").inc()
             raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
                            "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
                            retry_after=_OVERLOAD_RETRY_AFTER)
@@ -184,12 +196,12 @@ class Admission:
             refusal = self.shares.decide(group, self.by_model.get(model, {}), self.capacity.get(model, 1),
                                          self.clock())
             if refusal:
-                metrics.QUOTA_REJECTIONS.labels(group or "none", refusal).inc()
+                metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), refusal).inc()
                 raise ApiError(429, _SHARE_REFUSALS[refusal].format(group=group, model=model), code="quota_exceeded",
                                retry_after=_OVERLOAD_RETRY_AFTER)
         wait = self.budget.wait(group, self.clock())
         if wait > 0:
-            metrics.QUOTA_REJECTIONS.labels(group, "tokens_per_minute").inc()
+            metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), "tokens_per_minute").inc()
             raise ApiError(429, f"quota group {group!r} used its tokens_per_minute "
                            f"({self.budget.limits[group]} prompt + completion tokens per 60 s); "
                            f"retry in {wait:.0f} s", code="quota_exceeded", retry_after=wait)
@@ -199,6 +211,7 @@ class Admission:
         if model:
             per_group = self.by_model.setdefault(model, {})
             per_group[group or ""] = per_group.get(group or "", 0) + 1
+            self._share_used(group, model)
         metrics.INFLIGHT_REQUESTS.inc()
         metrics.GROUP_INFLIGHT.labels(group or "none").inc()
         return Ticket(self, group, model, prompt_tokens, request_id)
@@ -224,12 +237,18 @@ class Ticket:
             self._admission.by_group[self._group] -= 1
         if self._model:
             self._admission.by_model[self._model][self._group or ""] -= 1
+            self._admission._share_used(self._group, self._model)
         if self._admission.shares is not None and tokens > 0:
             self._admission.shares.usage.add(self._group or "", tokens, self._admission.clock())
         metrics.INFLIGHT_REQUESTS.dec()
         metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()
         if tokens > 0:
             metrics.GROUP_TOKENS.labels(self._group or "none").inc(tokens)
+        labels = self._admission.labels(self._group, self._model)
+        metrics.GROUP_REQUESTS.labels(*labels).inc()
+        if tokens - self._prompt_tokens > 0:  # as the ledger bills (_bill)
+            metrics.GROUP_PROMPT_TOKENS.labels(*labels).inc(self._prompt_tokens)
+            metrics.GROUP_COMPLETION_TOKENS.labels(*labels).inc(tokens - self._prompt_tokens)
         self._bill(tokens)
 
     def _bill(self, tokens: int) -> None:

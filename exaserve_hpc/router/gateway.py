@@ -92,13 +92,14 @@ def gpu_share(site: SiteConfig) -> dict[str, float]:
 
 
 def share_policy(site: SiteConfig) -> dict:
-    """Admission's shares and capacity when any quota group has a guaranteed_share; capacity is each model's
-    configured replicas x batch slots (a model scaled up or down is not followed yet)."""
+    """Admission's capacity (each model's configured replicas x batch slots; a model scaled up or down is not
+    followed yet: the groups' share-use gauges divide by it too) and, when any quota group has a
+    guaranteed_share, the shares."""
+    capacity = {m.model_name: max(1, site.initial_replicas(m)) * site.max_batch_size(m) for m in site.models}
     if not any(g.guaranteed_share is not None for g in site.quota_groups):
-        return {}
+        return dict(capacity=capacity)
     from exaserve_hpc.quota.shares import GroupShare, SharePolicy
     shares = {g.name: GroupShare(g.guaranteed_share or 0.0, g.burst_share) for g in site.quota_groups}
-    capacity = {m.model_name: max(1, site.initial_replicas(m)) * site.max_batch_size(m) for m in site.models}
     return dict(shares=SharePolicy(shares, site.gateway.fair_share_half_life), capacity=capacity)
 
 
