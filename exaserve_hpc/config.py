@@ -312,6 +312,44 @@ class RequeueConfig(_Section):
     checkpoint_interval: Duration = 300.0  # the controller's state is also written this often; 0: only on stop
 
 
+class EtcdConfig(_Section):
+    """The etcd the controller candidates elect a leader through (ha/): members `exaserve launch` starts on
+    ranks 0..members-1 (data in the job directory), or a centre's own cluster named by its client URLs."""
+    members: int = Field(0, ge=0)  # 1, 3 or 5 (an even count tolerates no more failures than one fewer)
+    endpoints: list[Annotated[str, Field(pattern=r"^https?://[^/\s]+:[0-9]{1,5}$")]] = Field(default_factory=list)
+    client_port: int = Field(2379, ge=1, le=65535)  # members' ports on their node's address
+    peer_port: int = Field(2380, ge=1, le=65535)
+    interface: Optional[str] = None  # where members listen (an interface name or address); None: router.interface
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EtcdConfig":
+        if bool(self.members) == bool(self.endpoints):
+            raise ValueError("set exactly one of members (1, 3 or 5: etcd members started on the job's first ranks) "
+                             "and endpoints (a centre's etcd: http://host:port ...)")
+        if self.members and self.members not in (1, 3, 5):
+            raise ValueError(f"members is {self.members}; allowed: 1, 3 or 5")
+        return self
+
+
+class HaConfig(_Section):
+    """Controller high availability (issue 18). Without `etcd`: one controller on rank 0, requeue on its loss."""
+    etcd: Optional[EtcdConfig] = None
+    candidates: int = Field(3, ge=1, le=5)  # controller candidates on ranks 0..candidates-1
+    # The leader's lease: a leader that has not renewed it for lease_ttl minus a safety margin stops acting,
+    # before etcd lets a standby win (ha/lease_policy.py checks the bounds)
+    lease_ttl: Duration = 10.0
+    renew_interval: Optional[Duration] = None  # None: lease_ttl / 5
+    state_interval: PositiveDuration = 2.0  # the leader writes the fleet state to etcd when it changed, checked this often
+
+    @model_validator(mode="after")
+    def _lease_bounds(self) -> "HaConfig":
+        from .ha.lease_policy import lease_problems
+        problems = lease_problems(self.lease_ttl, self.renew_interval)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class QuotaGroup(_Section):
     name: Name
     account: Optional[str] = None  # Slurm account of the research group
@@ -345,6 +383,7 @@ class SiteConfig(_Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     requeue: RequeueConfig = Field(default_factory=RequeueConfig)
+    ha: HaConfig = Field(default_factory=HaConfig)
     models: list[ModelConfig] = Field(min_length=1)
     quota_groups: list[QuotaGroup] = Field(default_factory=list)
     run_dir: str = "~/.cache/exaserve/run"

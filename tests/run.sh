@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 # System packages for the tests that use real components: MPI, Slurm 22.05 + munge (the local test
 # cluster, tests/slurm/cluster.sh, which the Slurm tests bring up and down themselves: iproute2 for its
 # network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod, Prometheus
-# (prometheus and promtool: the alert rules' tests and a real Prometheus scraping exaserve serve).
-DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus slurmdbd mariadb-server)
+# (prometheus and promtool: the alert rules' tests and a real Prometheus scraping exaserve serve), etcd
+# (etcd-server 3.4: the control-plane HA tests start a 3-member cluster, tests/ha/).
+DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus slurmdbd mariadb-server etcd-server)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -1,0 +1,120 @@
+"""One etcd member inside the allocation: Debian's `etcd` (3.4) as a child process of a rank.
+
+    spec = MemberSpec("etcd-0", "10.77.0.1", 2379, 2380, job_dir / "etcd" / "restart-0" / "etcd-0")
+    member = EtcdMember(spec, cluster=[spec, ...], token="exaserve-JOB-0").start()
+    member.stop()
+
+Every member must know every peer URL before it starts (etcd's static bootstrap), so the ranks that
+run one publish their spec in the job directory first (launch.py). A data directory is per job run
+(restart): a requeued job may land on other nodes, so its members form a new cluster; what must
+survive a requeue is the HDF5 checkpoint's business. Listening and advertising use the node's
+routable address (addresses.py), never a wildcard.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..addresses import http_url
+from .etcd_client import EtcdClient
+
+log = logging.getLogger("exaserve.etcd")
+
+ETCD_BINARY = "etcd"  # Debian's etcd-server package
+
+
+class EtcdMemberError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+
+    @property
+    def client_url(self) -> str:
+        return http_url(self.host, self.client_port)
+
+    @property
+    def peer_url(self) -> str:
+        return http_url(self.host, self.peer_port)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY) -> list[str]:
+    """The etcd command line for `spec` in a new cluster of `cluster` (pure)."""
+    return [binary, "--name", spec.name, "--data-dir", spec.data_dir,
+            "--listen-client-urls", spec.client_url, "--advertise-client-urls", spec.client_url,
+            "--listen-peer-urls", spec.peer_url, "--initial-advertise-peer-urls", spec.peer_url,
+            "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in cluster),
+            "--initial-cluster-state", "new", "--initial-cluster-token", token,
+            # the store only holds the election key and the fleet state: old revisions go
+            "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",
+            "--logger", "zap", "--log-level", "warn", "--enable-v2=false"]
+
+
+class EtcdMember:
+    def __init__(self, spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY):
+        self.spec, self.cluster, self.token = spec, list(cluster), token
+        self.binary = binary
+        self.process: Optional[subprocess.Popen] = None
+        self.log_path = Path(spec.data_dir).with_suffix(".log")
+
+    def start(self) -> "EtcdMember":
+        binary = shutil.which(self.binary)
+        if binary is None:
+            raise EtcdMemberError(f"no `{self.binary}` on PATH: install Debian's etcd-server (3.4) on the nodes, or "
+                                  "set ha.etcd.endpoints to a centre's etcd instead of ha.etcd.members")
+        Path(self.spec.data_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_file = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(member_command(self.spec, self.cluster, self.token, binary),
+                                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # a Ctrl-C to the rank is ours to relay
+        finally:
+            log_file.close()
+        log.info("etcd member %s started (pid %d): client %s, peer %s", self.spec.name, self.process.pid,
+                 self.spec.client_url, self.spec.peer_url)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the cluster answers through this member (a quorum has formed), or EtcdMemberError."""
+        client = EtcdClient([self.spec.client_url], timeout=1.0)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise EtcdMemberError(f"etcd member {self.spec.name} exited with {self.process.returncode}; see "
+                                      f"{self.log_path}")
+            if client.healthy():
+                return
+            time.sleep(0.2)
+        raise EtcdMemberError(f"etcd member {self.spec.name} at {self.spec.client_url} formed no quorum within "
+                              f"{timeout:.0f}s (peers: {', '.join(m.peer_url for m in self.cluster)}); see "
+                              f"{self.log_path}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        log.info("etcd member %s stopped", self.spec.name)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+

@@ -1,0 +1,156 @@
+"""Leader election against a real 3-member etcd: one leader, failover within two lease periods when the
+leader's process dies, and fencing when the leader is cut off from etcd (its own network namespace)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exaserve_hpc.ha.election import Deposed, Election
+from exaserve_hpc.ha.etcd_client import EtcdClient
+from exaserve_hpc.ha.lease_policy import LeaseTiming
+
+from tests.waiting import wait_for
+
+CANDIDATE = Path(__file__).with_name("candidate.py")
+TTL = 2.0
+
+
+def urls(members) -> list[str]:
+    return [m.spec.client_url for m in members]
+
+
+def spawn(members, name: str, prefix: str, out: Path, netns: str = "", probe: bool = False) -> subprocess.Popen:
+    command = [sys.executable, str(CANDIDATE), "--endpoints", ",".join(urls(members)), "--prefix", prefix,
+               "--name", name, "--ttl", str(TTL)] + (["--probe-after-deposed"] if probe else [])
+    if netns:
+        command = ["ip", "netns", "exec", netns] + command
+    return subprocess.Popen(command, stdout=out.open("w"), stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+
+
+def events(path: Path) -> list[tuple[float, str, str]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) >= 2 and parts[0].replace(".", "").isdigit():
+            rows.append((float(parts[0]), parts[1], parts[2] if len(parts) > 2 else ""))
+    return rows
+
+
+def first(rows, event):
+    return next((t for t, e, _ in rows if e == event), None)
+
+
+def last(rows, event):
+    return max((t for t, e, _ in rows if e == event), default=None)
+
+
+def test_one_leader_and_fenced_writes(etcd_cluster):
+    etcd = EtcdClient(urls(etcd_cluster))
+    timing = LeaseTiming.from_settings(TTL)
+    a = Election(etcd, "/t/one", "a", timing)
+    b = Election(etcd, "/t/one", "b", timing)
+    assert a.campaign_once() is True
+    assert b.campaign_once() is False and json.loads(b.holder.value)["candidate"] == "a"
+    assert a.acting() and not b.acting()
+    a.fenced_put({"/t/one/fleet/state": "from a"})
+    with pytest.raises(Deposed):
+        b.fenced_put({"/t/one/fleet/state": "from b"})
+    # a write with a's revision after a resigned and b won is refused by etcd itself
+    old = a.revision
+    a.resign()
+    assert b.campaign_once() is True and b.revision > old
+    assert etcd.put_if_created_at(a.key, old, {"/t/one/fleet/state": "stale"}) is False
+    assert etcd.get("/t/one/fleet/state").value == b"from a"
+
+
+def test_failover_after_the_leader_process_is_killed(etcd_cluster, tmp_path):
+    prefix = "/t/kill"
+    procs = {name: spawn(etcd_cluster, name, prefix, tmp_path / f"{name}.log") for name in ("a", "b")}
+    try:
+        leader = wait_for(lambda: next((n for n in procs if first(events(tmp_path / f"{n}.log"), "act")), None),
+                          20, "a leader")
+        standby = "b" if leader == "a" else "a"
+        time.sleep(1.0)
+        assert first(events(tmp_path / f"{standby}.log"), "act") is None, "two leaders"
+        procs[leader].kill()
+        procs[leader].wait()
+        killed = time.time()
+        wait_for(lambda: first(events(tmp_path / f"{standby}.log"), "act"), 4 * TTL, "the standby to lead")
+        old = events(tmp_path / f"{leader}.log")
+        new = events(tmp_path / f"{standby}.log")
+        failover = first(new, "act") - killed
+        since_last_act = first(new, "act") - last(old, "act")
+        print(f"\nfailover: standby acting {failover:.2f}s after the leader was killed "
+              f"({since_last_act:.2f}s after its last act); lease TTL {TTL:g}s")
+        assert failover <= 2 * TTL
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def netns(tmp_path):
+    """A network namespace joined to this one by a veth pair: 10.78.N.1 here, 10.78.N.2 inside."""
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    n = os.getpid() % 200 + 20
+    name, host_if, ns_if = f"exha{n}", f"exhah{n}", f"exhan{n}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    _ip("netns", "add", name)
+    _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+    _ip("link", "set", ns_if, "netns", name)
+    _ip("addr", "add", f"10.78.{n}.1/24", "dev", host_if)
+    _ip("link", "set", host_if, "up")
+    _ip("netns", "exec", name, "ip", "addr", "add", f"10.78.{n}.2/24", "dev", ns_if)
+    _ip("netns", "exec", name, "ip", "link", "set", ns_if, "up")
+    _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+    yield name, host_if, f"10.78.{n}.1"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+
+
+def test_partitioned_leader_stops_acting_before_the_standby_leads(netns, tmp_path):
+    from tests.ha.conftest import need_etcd, start_cluster
+    need_etcd()
+    name, host_if, address = netns
+    members = start_cluster(tmp_path / "etcd", host=address)  # reachable from inside the namespace
+    prefix = "/t/partition"
+    try:
+        inside = spawn(members, "inside", prefix, tmp_path / "inside.log", netns=name, probe=True)
+        wait_for(lambda: first(events(tmp_path / "inside.log"), "act"), 20, "the namespaced candidate to lead")
+        outside = spawn(members, "outside", prefix, tmp_path / "outside.log")
+        time.sleep(1.0)
+        _ip("link", "set", host_if, "down")  # the partition: the leader cannot reach any etcd member
+        cut = time.time()
+        wait_for(lambda: first(events(tmp_path / "outside.log"), "act"), 4 * TTL, "the outside candidate to lead")
+        time.sleep(1.0)
+        _ip("link", "set", host_if, "up")  # healed: the old leader's stale write reaches etcd and is refused
+        wait_for(lambda: first(events(tmp_path / "inside.log"), "stale-write"), 10, "a stale write attempt")
+        old, new = events(tmp_path / "inside.log"), events(tmp_path / "outside.log")
+        stopped = max(t for t, e, _ in old if e == "act")
+        took_over = first(new, "act")
+        print(f"\npartition: old leader's last act {stopped - cut:.2f}s after the cut, deposed "
+              f"{(first(old, 'deposed') or float('nan')) - cut:.2f}s after; new leader acting "
+              f"{took_over - cut:.2f}s after; gap {took_over - stopped:.2f}s")
+        assert stopped < took_over, "the old leader acted after the new one began: split brain"
+        assert first(old, "deposed") is not None
+        assert all(d == "False" for _, e, d in old if e == "stale-write")
+        assert took_over - cut <= 2 * TTL + 1.0
+        inside.kill()
+        outside.kill()
+    finally:
+        for m in members:
+            m.stop()
