@@ -1,11 +1,15 @@
 """Build hook: the batch script template, the site configs and the modulefiles travel inside the package
 (exaserve_hpc/data/, read through exaserve_hpc/resources.py), so a non-editable install can submit
-jobs and install the modulefiles. Everything else is in setup.cfg."""
+jobs and install the modulefiles. Everything else is in setup.cfg.
+
+The router's prefix index is also compiled (Cython, from pyproject's build requirements) when a C
+compiler and the Python headers are there: optional, a failed build leaves the pure-Python index,
+which the package falls back to with a log line (router/prefix_index.py)."""
 
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -22,4 +26,15 @@ class BuildWithData(build_py):
                                 ignore=shutil.ignore_patterns("*.conf", "__pycache__", "*.pyc"))
 
 
-setup(cmdclass={"build_py": BuildWithData})
+def compiled_extensions() -> list:
+    try:
+        from Cython.Build import cythonize
+    except ImportError:  # a build without pyproject's requirements (setup.py run by hand): pure Python
+        print("Cython not installed: the router's prefix index stays pure Python")
+        return []
+    return cythonize([Extension("exaserve_hpc.router._prefix_index", ["exaserve_hpc/router/_prefix_index.pyx"],
+                                extra_compile_args=["-O3"], optional=True)],
+                     compiler_directives={"language_level": "3"}, quiet=True)
+
+
+setup(cmdclass={"build_py": BuildWithData}, ext_modules=compiled_extensions())

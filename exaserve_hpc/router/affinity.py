@@ -54,7 +54,7 @@ from .balancing import (  # noqa: F401 - Decision is re-exported: callers know i
     Decision, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, WeightSettings, mean_latency_ms,
 )
 from ..engine.kv_events import BlockStored
-from .prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex
+from .prefix_index import EngineBlockHasher, FastBlockHasher, make_index
 
 log = logging.getLogger(__name__)
 APPROXIMATE, PRECISE = "approximate", "precise"
@@ -126,7 +126,7 @@ class PrefixAffinity(RoutingPolicy):
     def __init__(self, settings: Optional[AffinitySettings] = None, seed: Optional[int] = None, **overrides):
         self.settings = settings or AffinitySettings(**overrides)
         s = self.settings
-        self.index = PrefixIndex(max_blocks=s.index_blocks)
+        self.index = make_index(max_blocks=s.index_blocks)  # compiled where built (prefix_index.py)
         self.hasher = s.hasher()
         self.balance = PowerOfTwo(s.weights, seed=seed)
         self._block_size_checked = False  # the engines' block size is checked once, on their first event

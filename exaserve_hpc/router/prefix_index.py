@@ -22,17 +22,23 @@ indexed block instead of walking the prompt.
 
 A replica that leaves is forgotten in O(1): its epoch is bumped and entries
 stamped with an older epoch no longer count (they are cleaned up when met).
+
+`PrefixIndex` here is the reference. The router uses `make_index`: the same
+index compiled (`_prefix_index.pyx`, one C hash table, built by `pip install`
+where a C compiler is found), else this one with a log line saying so.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 from array import array
 from typing import Container, Optional, Sequence
 
 from ..engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+log = logging.getLogger(__name__)
 ROOT_HASH = 0x6578617365727665  # same root as engine/block_manager.py
 
 
@@ -257,3 +263,26 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
+
+
+try:
+    from ._prefix_index import PrefixIndex as CompiledPrefixIndex
+    COMPILED_MISSING = ""
+except ImportError as exc:  # not built here (no C compiler at install time): the reference serves
+    CompiledPrefixIndex = None
+    COMPILED_MISSING = str(exc)
+_fallback_logged = False
+
+
+def make_index(max_blocks: int = 1_000_000, max_holders: int = 16, compiled: bool = True):
+    """The router's prefix index: the compiled one when it was built (same behaviour, a fraction of
+    the router thread's time), else `PrefixIndex`. ``compiled=False``: the reference, for comparisons."""
+    global _fallback_logged
+    if compiled and CompiledPrefixIndex is not None:
+        return CompiledPrefixIndex(max_blocks=max_blocks, max_holders=max_holders)
+    if compiled and not _fallback_logged:
+        _fallback_logged = True
+        log.warning("the compiled prefix index is not built (%s): using the pure-Python one, which costs the "
+                    "router several times more per request; reinstall with a C compiler and the Python "
+                    "headers (pip install -e .) to build it", COMPILED_MISSING)
+    return PrefixIndex(max_blocks=max_blocks, max_holders=max_holders)
