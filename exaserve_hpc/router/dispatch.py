@@ -170,9 +170,9 @@ class Dispatcher:
             log.log(logging.INFO if expected else logging.WARNING, "replica %s out of rotation: %s", replica_id, cause)
             gone.append((replica_id, cause))
         out: list[Outgoing] = []
-        for replica_id, cause in gone:
-            for entry in [e for e in self.inflight.values() if e.replica_id == replica_id]:
-                out += self._retry(entry, f"replica {replica_id} lost: {cause}", now)
+        causes = dict(gone)  # one pass over the requests in flight, not one per lost replica (a fault group)
+        for entry in [e for e in self.inflight.values() if e.replica_id in causes] if causes else ():
+            out += self._retry(entry, f"replica {entry.replica_id} lost: {causes[entry.replica_id]}", now)
         return out
 
     def drain(self, replica_id: str) -> list[Outgoing]:
