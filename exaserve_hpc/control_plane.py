@@ -329,7 +329,10 @@ class ControlPlane:
         # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
         # successor that replaces it with the lost nodes excluded, appends to the same ledger.
         ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
-        ledger = UsageLedger(ledger_dir(self.site, ledger_home))  # what a centre bills from
+        ledger = UsageLedger(ledger_dir(self.site, ledger_home),  # what a centre bills from
+                             half_life=self.site.gateway.fair_share_half_life)
+        ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
+        self.keeper.quota = ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(ledger.close)
         return create_app(client, self.site, admin_routes=serving_admin_routes(
             self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key,

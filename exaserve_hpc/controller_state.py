@@ -13,7 +13,11 @@ Layout (every string is UTF-8, variable length):
     /            attrs: format, job_id, restart, saved_at, excluded_nodes
     /placement   replica_id[], model[], node[]              ("" = unplaced)
     /affinity    block_hash[] (uint64), offsets[] (int64), replica_ids[]   prefix block -> replicas (CSR)
-    /quota       group[], tokens_used[] (int64), requests[] (int64)
+    /quota       group[], tokens_used[] (int64), requests[] (int64), usage_group[],
+                 usage[] (float64; attrs usage_at), ledger_file[], ledger_offset[] (int64)
+                 per quota group the tokens and requests billed in the usage ledger and the fair share's
+                 decayed usage at usage_at, and how far into each ledger file they go (quota/ledger.py);
+                 files written before usage and ledger_* existed read back as empty
     /rollout     model[], version[], stage[], weight[] (float64)
 
 The prefix-affinity part stores whatever index the router hands over; the router does not yet
@@ -53,6 +57,9 @@ class ControllerState:
     placement: dict[str, tuple[str, str]] = field(default_factory=dict)   # replica id -> (model, node or "")
     affinity: dict[int, list[str]] = field(default_factory=dict)          # prefix block hash -> replica ids
     quota: dict[str, tuple[int, int]] = field(default_factory=dict)       # group -> (tokens used, requests)
+    quota_usage: dict[str, float] = field(default_factory=dict)           # group -> fair-share usage at _at
+    quota_usage_at: float = 0.0                                           # Unix time
+    ledger_offsets: dict[str, int] = field(default_factory=dict)          # usage ledger file -> bytes counted
     rollout: dict[str, RolloutState] = field(default_factory=dict)        # model -> rollout
     excluded_nodes: list[str] = field(default_factory=list)
 
@@ -118,6 +125,13 @@ def _write(tmp: Path, state: ControllerState) -> None:
         _strings(quota, "group", groups)
         quota.create_dataset("tokens_used", data=np.array([state.quota[g][0] for g in groups], dtype=np.int64))
         quota.create_dataset("requests", data=np.array([state.quota[g][1] for g in groups], dtype=np.int64))
+        users = sorted(state.quota_usage)
+        _strings(quota, "usage_group", users)
+        quota.create_dataset("usage", data=np.array([state.quota_usage[g] for g in users], dtype=np.float64))
+        quota.attrs["usage_at"] = state.quota_usage_at
+        files = sorted(state.ledger_offsets)
+        _strings(quota, "ledger_file", files)
+        quota.create_dataset("ledger_offset", data=np.array([state.ledger_offsets[f] for f in files], dtype=np.int64))
         rollout = f.create_group("rollout")
         models = sorted(state.rollout)
         _strings(rollout, "model", models)
@@ -138,12 +152,18 @@ def load_state(path: Path) -> ControllerState:
         affinity = {int(h): flat[offsets[i]:offsets[i + 1]] for i, h in enumerate(a["block_hash"][()])}
         quota = {g: (int(t), int(n)) for g, t, n in zip(_read_strings(q, "group"), q["tokens_used"][()],
                                                         q["requests"][()])}
+        usage = ({g: float(u) for g, u in zip(_read_strings(q, "usage_group"), q["usage"][()])}
+                 if "usage" in q else {})
+        offsets = ({f: int(o) for f, o in zip(_read_strings(q, "ledger_file"), q["ledger_offset"][()])}
+                   if "ledger_file" in q else {})
         rollout = {m: RolloutState(v, s, float(w)) for m, v, s, w in
                    zip(_read_strings(r, "model"), _read_strings(r, "version"), _read_strings(r, "stage"),
                        r["weight"][()])}
         return ControllerState(job_id=str(f.attrs["job_id"]), restart=int(f.attrs["restart"]),
                                saved_at=float(f.attrs["saved_at"]), placement=placement, affinity=affinity,
-                               quota=quota, rollout=rollout, excluded_nodes=_read_strings(f, "excluded_nodes"))
+                               quota=quota, rollout=rollout, excluded_nodes=_read_strings(f, "excluded_nodes"),
+                               quota_usage=usage, quota_usage_at=float(q.attrs.get("usage_at", 0.0)),
+                               ledger_offsets=offsets)
 
 
 def state_from_status(status: dict, job_id: str, restart: int, saved_at: float,

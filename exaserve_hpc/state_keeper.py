@@ -4,6 +4,7 @@
     keeper.start()                 # a thread writes every `interval` seconds (0: never periodically)
     keeper.save(exclude=("n3",))   # now, retried; True when written
     keeper.stop()                  # the thread ends; the final write is the shutdown order's (control_plane.py)
+    keeper.quota = ledger.quota_state  # the quota section's source (quota/ledger.py), once the gateway has one
 
 A write that fails (a full or briefly unreachable shared filesystem) is logged with its cause and
 retried `attempts` times with a growing pause; a failed round never ends the periodic thread. Nodes
@@ -36,6 +37,7 @@ class StateKeeper:
         self.backoff = backoff
         self.clock, self.sleep, self._save = clock, sleep, save
         self.excluded: set[str] = set()
+        self.quota: Optional[Callable[[], object]] = None  # -> quota.ledger.QuotaState; None: carried over
         self.saved_at: Optional[float] = None  # clock() of the last successful write
         self.failures = 0  # failed attempts so far (status, tests)
         self._lock = threading.Lock()  # one write at a time: the periodic thread, a requeue, the stop
@@ -49,6 +51,12 @@ class StateKeeper:
                                   sorted(self.excluded))
         if previous is not None:  # what this run does not own yet is carried to the next one unchanged
             state.affinity, state.quota, state.rollout = previous.affinity, previous.quota, previous.rollout
+            state.quota_usage, state.quota_usage_at = previous.quota_usage, previous.quota_usage_at
+            state.ledger_offsets = previous.ledger_offsets
+        if self.quota is not None:  # the usage ledger's figures (it restored the previous run's first)
+            quota = self.quota()
+            state.quota, state.quota_usage, state.quota_usage_at = quota.totals, quota.usage, quota.at
+            state.ledger_offsets = quota.offsets
         return state
 
     def save(self, exclude: Iterable[str] = ()) -> bool:

@@ -9,6 +9,13 @@ them in batches at most ``flush_interval`` (0.2 s) apart, and on close; a crash 
 loses at most the requests finished in the last interval. A line torn by a crash mid-write is
 skipped when reading (it is always the file's last).
 
+The ledger also keeps, in memory, what the controller's checkpoint stores in its quota section
+(``quota_state``): per group the tokens and requests billed in this ledger, the fair share's usage decayed
+with its half-life (as Slurm's fair-share usage), and each ledger file's position (bytes) these cover.
+A restarted or requeued run starts from the checkpoint's figures and reads only the ledger past those
+positions (``restore``); without a checkpoint it reads the whole ledger. Every gateway of the process bills
+through the one ledger, so one state covers them all.
+
 A record: t (Unix time the request ended), request_id, group, account, model, prompt_tokens,
 completion_tokens, gpu_seconds (the replica's GPUs x the request's time on it / the replica's batch
 slots: the share of the replica one request held).
@@ -25,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
+
+from .shares import DecayedUsage
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +52,19 @@ class UsageRecord:
     gpu_seconds: float
 
 
+@dataclass
+class QuotaState:
+    """The checkpoint's quota section (controller_state.py): what the ledger held at Unix time ``at``."""
+    totals: dict[str, tuple[int, int]]  # group -> (prompt + completion tokens, requests) billed
+    usage: dict[str, float]             # group -> fair-share usage (tokens) decayed to ``at``
+    at: float
+    offsets: dict[str, int]             # ledger file name -> bytes of it the figures cover
+
+
 class UsageLedger:
     """Appends UsageRecords to this process's ledger file; ``record`` never blocks on the disk."""
 
-    def __init__(self, directory: Path, flush_interval: float = 0.2):
+    def __init__(self, directory: Path, flush_interval: float = 0.2, half_life: float = 86400.0):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         name = f"usage-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}.jsonl"
@@ -58,6 +76,9 @@ class UsageLedger:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self.totals: dict[str, list[int]] = {}  # group -> [tokens, requests]; guarded by _lock like the rest
+        self.usage = DecayedUsage(half_life)  # on Unix time (records' t)
+        self.offsets: dict[str, int] = {self.path.name: 0}
         self._thread = threading.Thread(target=self._run, name="exaserve-usage-ledger", daemon=True)
         self._thread.start()
 
@@ -65,6 +86,8 @@ class UsageLedger:
         line = (json.dumps(asdict(record), separators=(",", ":")) + "\n").encode()
         with self._lock:
             self._pending.append(line)
+            self._count(record)
+            self.offsets[self.path.name] += len(line)  # lines reach the file in this order
             closed = self._closed
         if closed:  # a request ending during shutdown: written at once
             self.flush()
@@ -96,6 +119,59 @@ class UsageLedger:
             self._closed = True
         self._wake.set()
         self.flush()
+
+
+    def _count(self, record: UsageRecord) -> None:
+        tokens = record.prompt_tokens + record.completion_tokens
+        totals = self.totals.setdefault(record.group, [0, 0])
+        totals[0] += tokens
+        totals[1] += 1
+        self.usage.add(record.group, tokens, record.t)
+
+    def quota_state(self) -> QuotaState:
+        with self._lock:
+            now = time.time()
+            return QuotaState({g: (t, n) for g, (t, n) in self.totals.items()},
+                              {g: self.usage.value(g, now) for g in self.usage.groups()}, now, dict(self.offsets))
+
+    def restore(self, previous=None) -> int:
+        """Start from a checkpoint's quota section (a controller_state.ControllerState, or None) and the ledger
+        files past its positions (all of them without one); returns the records read."""
+        records: list[UsageRecord] = []
+        with self._lock:
+            if previous is not None:
+                for group, (tokens, requests) in previous.quota.items():
+                    self.totals[group] = [tokens, requests]
+                for group, usage in previous.quota_usage.items():
+                    self.usage.add(group, usage, previous.quota_usage_at)
+                self.offsets.update({k: v for k, v in previous.ledger_offsets.items() if k != self.path.name})
+            for path in sorted(self.directory.glob("usage-*.jsonl")):
+                if path.name != self.path.name:
+                    self.offsets[path.name] = _read_tail(path, self.offsets.get(path.name, 0), records)
+            for record in sorted(records, key=lambda r: r.t):  # decay needs time order
+                self._count(record)
+        return len(records)
+
+    def seed(self, policy, now: float) -> None:
+        """Give a gateway's fair share (shares.SharePolicy, on its own clock at ``now``) this ledger's usage."""
+        state = self.quota_state()
+        for group, usage in state.usage.items():
+            policy.usage.add("" if group == "none" else group, usage, now)
+
+
+def _read_tail(path: Path, offset: int, into: list) -> int:
+    """Append the records of `path` from byte `offset` on to `into`; returns the position after the last whole
+    line (a line still being written, or torn by a crash, is read again next time)."""
+    with open(path, "rb") as file:
+        file.seek(offset)
+        data = file.read()
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        try:
+            into.append(UsageRecord(**json.loads(line)))
+        except (ValueError, TypeError):
+            log.warning("usage ledger %s: skipping an unreadable line (a write cut by a crash)", path)
+    return offset + end
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -84,18 +84,3 @@ class SharePolicy:
         fair = spare * factors[group or ""] / sum(factors.values())
         return ADMIT if borrowing[group or ""] < max(1.0, fair) else "fair_share"
 
-
-def restore_usage(policy: SharePolicy, records, wall_now: float, now: float) -> int:
-    """Seed decayed usage from the ledger's records (a restarted gateway keeps its groups' fair share).
-
-    ``wall_now``: the Unix time; ``now``: the policy's clock. Records older than 20 half-lives weigh < 1e-6
-    and are skipped. Returns how many were counted.
-    """
-    counted = 0
-    horizon = 20 * policy.usage.half_life
-    for r in sorted(records, key=lambda r: r.t):
-        age = wall_now - r.t
-        if 0 <= age <= horizon:
-            policy.usage.add(r.group if r.group != "none" else "", r.prompt_tokens + r.completion_tokens, now - age)
-            counted += 1
-    return counted

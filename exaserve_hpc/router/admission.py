@@ -238,7 +238,7 @@ class Ticket:
         if self._model:
             self._admission.by_model[self._model][self._group or ""] -= 1
             self._admission._share_used(self._group, self._model)
-        if self._admission.shares is not None and tokens > 0:
+        if self._admission.shares is not None and tokens > self._prompt_tokens:  # billed: as the ledger counts it
             self._admission.shares.usage.add(self._group or "", tokens, self._admission.clock())
         metrics.INFLIGHT_REQUESTS.dec()
         metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()

@@ -118,9 +118,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                           ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
                           gpu_share=gpu_share(site), **share_policy(site))
     if ledger is not None and admission.shares is not None:  # fair share continues across a restart
-        from exaserve_hpc.quota.ledger import read_usage
-        from exaserve_hpc.quota.shares import restore_usage
-        restore_usage(admission.shares, read_usage(ledger.directory), time.time(), admission.clock())
+        ledger.seed(admission.shares, admission.clock())  # the ledger restored the earlier runs' usage
     keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
     for warning in plaintext_warnings(site):
         log.warning("%s", warning)

@@ -54,15 +54,3 @@ def test_config_refuses_guarantees_over_one_and_a_ceiling_below_the_guarantee():
     with pytest.raises(ConfigError, match=r"burst_share \(0.2\) is below guaranteed_share \(0.5\)"):
         parse_site({**base, "quota_groups": [{"name": "a", "guaranteed_share": 0.5, "burst_share": 0.2}]})
 
-
-def test_decayed_usage_is_restored_from_the_ledger(tmp_path):
-    from exaserve_hpc.quota.ledger import UsageLedger, UsageRecord, read_usage
-    from exaserve_hpc.quota.shares import restore_usage
-    ledger = UsageLedger(tmp_path)
-    for t, group, tokens in ((1000.0, "a", 800), (1060.0, "b", 100), (-10_000.0, "a", 10**9)):
-        ledger.record(UsageRecord(t=t, request_id="r", group=group, account="", model="m", prompt_tokens=tokens,
-                                  completion_tokens=0, gpu_seconds=0.0))
-    ledger.close()
-    policy = SharePolicy({"a": GroupShare(0.5), "b": GroupShare(0.5)}, half_life=60)
-    assert restore_usage(policy, read_usage(tmp_path), wall_now=1060.0, now=5.0) == 2  # the ancient one skipped
-    assert policy.usage.value("a", 5.0) == pytest.approx(400) and policy.usage.value("b", 5.0) == pytest.approx(100)
