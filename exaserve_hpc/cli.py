@@ -90,6 +90,14 @@ def render_status(status: dict, url: str) -> None:
               f"router in-flight {router.get('inflight', 0)} pending {router.get('pending', 0)} "
               f"completed {router.get('completed', 0)} failed {router.get('failed', 0)} "
               f"retries {router.get('retries', 0)}", highlight=False)
+    if router.get("routers"):  # several routers share the fleet (router.count > 1), each with a gateway
+        routers = Table(title="routers")
+        for column in ("router", "state", "gateway", "frontend", "backend", "replicas", "accepted", "in flight"):
+            routers.add_column(column)
+        for r in router["routers"]:
+            routers.add_row(str(r["index"]), r["state"], r["gateway"] or "-", r["frontend"], r["backend"],
+                            str(r["replicas"]), str(r["accepted"]), str(r["inflight"]))
+        out.print(routers)
     agents = Table(title="node agents")
     for column in ("agent", "host", "pid", "state", "heartbeat age", "GPUs"):
         agents.add_column(column)

@@ -277,6 +277,9 @@ class RouterConfig(_Section):
     replica_heartbeat: PositiveDuration = 1.0
     replica_misses: int = Field(3, ge=1)
     admin_key: Optional[str] = None  # when set, the rollout admin API needs `Authorization: Bearer <admin_key>`
+    # Routers sharing the fleet (router/router_group.py), each with its own gateway: under `exaserve launch`
+    # router k on rank k (count <= the job's nodes); under `exaserve serve` all of them in one process
+    count: int = Field(1, ge=1, le=64)
 
     def bind_host(self, across_nodes: bool) -> str:
         if self.host:

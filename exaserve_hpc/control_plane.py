@@ -105,6 +105,18 @@ def dispatch_settings(site: SiteConfig) -> DispatchSettings:
                             breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
 
 
+def make_router(site: SiteConfig, bind: str, frontend_port: int, backend_port: int, curve=None):
+    """A started router (its own dispatcher) on `bind`; a port it cannot take is a ControlPlaneError."""
+    from .router.zmq_router import ZmqRouter
+    dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
+    try:
+        return ZmqRouter(dispatcher, bind, frontend_port, backend_port, curve=curve).start()
+    except Exception as exc:  # zmq.ZMQError: a busy port, an address we cannot bind
+        raise ControlPlaneError(f"router: cannot listen on {bind} (frontend_port {frontend_port}, backend_port "
+                                f"{backend_port}): {exc}; set router.frontend_port / router.backend_port (0: any "
+                                f"free port) or router.interface") from exc
+
+
 def listen_socket(host: str, port: int, setting: str = "gateway.port"):
     """Bind the gateway's socket ourselves, so port 0 works and a busy port is a clear error at start."""
     import socket
@@ -161,13 +173,18 @@ def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **c
     return GatewayServer(uvicorn.Config(app, **config))
 
 
-def write_state(run_dir: Path, url: str, site: SiteConfig) -> Path:
-    """Where `exaserve status` finds a running server; mode 0600 (it names a control endpoint)."""
+def write_state(run_dir: Path, url: str, site: SiteConfig, routers: Optional[list[dict]] = None) -> Path:
+    """Where `exaserve status` finds a running server; mode 0600 (it names a control endpoint).
+    `routers`: with several (router.count > 1), each router's endpoints and gateway URL."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "serve.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    state = {"url": url, "pid": os.getpid(), "site": site.site, "started": time.time()}
+    if routers:
+        state["routers"] = routers
+        state["gateways"] = [r["gateway"] for r in routers if r.get("gateway")]
     with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "pid": os.getpid(), "site": site.site, "started": time.time()}, f)
+        json.dump(state, f)
     return path
 
 
@@ -214,7 +231,6 @@ class ControlPlane:
     # ---------------------------------------------------------------- building
 
     def _build(self) -> None:
-        from .router.zmq_router import ZmqRouter
         from .scheduler.controller import Controller
 
         site, s = self.site, self.settings
@@ -232,22 +248,21 @@ class ControlPlane:
                                             s.across_nodes)
         except AddressError as exc:
             raise ControlPlaneError(str(exc)) from exc
-        self.gateway_host = bind
+        self.gateway_host, self.gateway_publish = bind, publish
         self.listener = listen_socket(bind, gateway.port if s.port is None else s.port,
                                       "gateway.port" if s.port is None else "--port")
         self._closers.append(self.listener.close)
         self.url = http_url(publish, self.listener.getsockname()[1])
 
-        dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
-        try:
-            self.router = ZmqRouter(dispatcher, router_bind, site.router.frontend_port, site.router.backend_port,
-                                    curve=s.curve).start()
-        except Exception as exc:  # zmq.ZMQError: a busy port, an address we cannot bind
-            raise ControlPlaneError(f"router: cannot listen on {router_bind} (frontend_port "
-                                    f"{site.router.frontend_port}, backend_port {site.router.backend_port}): {exc}; "
-                                    f"set router.frontend_port / router.backend_port (0: any free port) or "
-                                    f"router.interface") from exc
+        self.router = make_router(site, router_bind, site.router.frontend_port, site.router.backend_port, s.curve)
         self._closers.append(self.router.stop)
+        self.routers = None  # several routers sharing the fleet (router.count > 1; several_routers.py)
+        if site.router.count > 1:
+            from .several_routers import SeveralRouters
+            self.routers = SeveralRouters(site, self.router, router_bind, s,
+                                          lambda fp, bp: make_router(site, router_bind, fp, bp, s.curve))
+            self._closers.append(self.routers.stop)
+            self.router = self.routers.group  # what the controller, status and /metrics see
         grace = {"placement_grace": max(10.0, 3 * site.heartbeat.expiry)} if s.expected_agents else {}
         self.controller = Controller(site, self.router, host=router_bind, curve=s.curve,
                                      expected_agents=s.expected_agents, **grace)
@@ -260,6 +275,14 @@ class ControlPlane:
         metrics.watch_fleet(self.controller, self.router, self.keeper)  # the fleet on the gateway's /metrics
         self._start_agent()
         self.app = self._app()
+        self.gateway_urls = [self.url]
+        if self.routers is not None and not s.across_nodes:  # serve: a gateway per router, in this process
+            self.gateway_urls += self.routers.start_gateways(
+                self._gateway_app, lambda port: listen_socket(bind, port, "gateway.port"), publish,
+                gateway.port if s.port is None else s.port)
+            self.add_stop_hook(self.routers.stop_gateways)
+        if self.routers is not None:
+            self.router.gateways[0] = self.url
 
     def _restore(self) -> Optional[Path]:
         """A requeued (or successor) run starts from the state the previous run wrote."""
@@ -316,32 +339,44 @@ class ControlPlane:
             self.request_stop(why)
 
     def _app(self):
-        from .router.admin_api import admin_key_for, serving_admin_routes
+        from .router.admin_api import admin_key_for
+        self._admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
+        from .quota.ledger import UsageLedger, ledger_dir
+        # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
+        # successor that replaces it with the lost nodes excluded, appends to the same ledger.
+        ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
+        self._ledger = UsageLedger(ledger_dir(self.site, ledger_home),  # what a centre bills from
+                                   half_life=self.site.gateway.fair_share_half_life)
+        self._ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
+        self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
+        self.add_stop_hook(self._ledger.close)
+        return self._gateway_app(self.router.frontend_endpoint)
+
+    def _gateway_app(self, frontend: str):
+        """A gateway app over the router at `frontend` (router 0's; serve's other gateways, their router's)."""
+        from .router.admin_api import serving_admin_routes
         from .router.backend import ModelInfo
         from .router.client import RouterClient
         from .router.gateway import create_app
         created = int(time.time())
         models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in self.site.models]
-        client = RouterClient(self.router.frontend_endpoint, models, status=self.controller.status,
+        client = RouterClient(frontend, models, status=self.controller.status,
                               ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
-        admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
-        from .quota.ledger import UsageLedger, ledger_dir
-        # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
-        # successor that replaces it with the lost nodes excluded, appends to the same ledger.
-        ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
-        ledger = UsageLedger(ledger_dir(self.site, ledger_home),  # what a centre bills from
-                             half_life=self.site.gateway.fair_share_half_life)
-        ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
-        self.keeper.quota = ledger.quota_state  # and every later checkpoint carries the ledger's figures
-        self.add_stop_hook(ledger.close)
         return create_app(client, self.site, admin_routes=serving_admin_routes(
-            self.site, self.router, self.controller, self.gateway_host, admin_key=admin_key), admin_key=admin_key,
-            ledger=ledger)
+            self.site, self.router, self.controller, self.gateway_host, admin_key=self._admin_key),
+            admin_key=self._admin_key, ledger=self._ledger)
 
     # ---------------------------------------------------------------- running and stopping
 
     def add_stop_hook(self, hook: Callable[[], None]) -> None:
         self._stop_hooks.append(hook)
+
+    def routers_table(self) -> Optional[list[dict]]:
+        """Each router's endpoints and gateway (router.count > 1; None with one router)."""
+        if self.routers is None:
+            return None
+        return [{k: r[k] for k in ("index", "frontend", "backend", "gateway")}
+                for r in self.router.snapshot()["routers"]]
 
     def request_stop(self, why: str) -> None:
         """End run() gracefully from any thread (a requeue handed to a successor, a stop file)."""
@@ -368,7 +403,7 @@ class ControlPlane:
                 self.keeper.save()
 
     def run(self) -> int:
-        state_file = write_state(Path(self.settings.state_dir), self.url, self.site)
+        state_file = write_state(Path(self.settings.state_dir), self.url, self.site, self.routers_table())
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      timeout_graceful_shutdown=10, access_log=False)

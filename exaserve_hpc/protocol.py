@@ -243,6 +243,9 @@ class StartReplica(_Msg, tag="start"):
     model: str
     model_dir: str
     router_backend: str  # ZeroMQ endpoint the replica connects to
+    # Every router's backend when several share the fleet (router.count > 1), router_backend first; the
+    # replica connects one DEALER to each (agent/router_links.py). []: router_backend alone.
+    router_backends: list[str] = []
     version: str = ""  # model version model_dir holds (canary rollouts), sent in its ReplicaHello; "" = the site's
     settings: EngineSettings = msgspec.field(default_factory=EngineSettings)
     stats_interval: float = 1.0

@@ -9,7 +9,8 @@ spec.model_dir from L3 with checksums. Steps, each reported to the agent:
 loading (weights L2 -> L1, with "progress <done> <total>" lines) ->
 initializing (the engine over those weights) -> warming (a real inference,
 output checked) -> registering (DEALER, identity = replica id, to the router
-backend, a CURVE client when the agent names the job directory in
+backend, or one to each router's when several share the fleet (router_links.py),
+a CURVE client when the agent names the job directory in
 $EXASERVE_CURVE_JOB_DIR; hello) -> serving (receive requests -> engine.step()
 -> token chunks). State lines on --status-fd: "<state> <seconds in previous state> <detail>".
 
@@ -39,14 +40,15 @@ import zmq
 
 from ..protocol import (
     Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
-    StartReplica, TokenChunk, decode, encode, receive_pending,
+    StartReplica, TokenChunk, decode,
 )
-from ..bootstrap import replica_client_keys, secure_client
+from ..bootstrap import replica_client_keys
 from ..cache.tiers import load_weights
 from ..engine.base import EngineError
 from ..engine.registry import build_engine, engine_spec
 from . import faults, pipeline_stage
 from .lifecycle import ReplicaState
+from .router_links import RouterLinks
 
 log = logging.getLogger("exaserve.replica")
 _INJECTABLE = (ReplicaState.LOADING, ReplicaState.INITIALIZING, ReplicaState.WARMING, ReplicaState.REGISTERING,
@@ -201,11 +203,11 @@ class ChunkCoalescer:
 
 
 class ReplicaServer:
-    def __init__(self, spec: StartReplica, engine, socket: zmq.Socket, reporter: StatusReporter,
+    def __init__(self, spec: StartReplica, engine, links: RouterLinks, reporter: StatusReporter,
                  coalesce_ms: float = 20.0, coalesce_tokens: int = 16):
         self.spec = spec
         self.engine = engine
-        self.socket = socket
+        self.links = links  # the router(s): a request's answers go back where it came from
         self.reporter = reporter
         self.coalescer = ChunkCoalescer(coalesce_ms, coalesce_tokens)
         self.draining = False
@@ -227,7 +229,7 @@ class ReplicaServer:
             # Poll without waiting while the engine produces tokens; wait 1 ms while it holds
             # requests back (its max_wait_ms batching window), 50 ms when idle.
             wait_ms = (0 if stepped else 1) if self.engine.has_unfinished() else 50
-            if self.socket.poll(wait_ms):
+            if self.links.poll(wait_ms):
                 self._receive()
             now = time.monotonic()
             if self.engine.has_unfinished():
@@ -258,7 +260,7 @@ class ReplicaServer:
                 return
 
     def _receive(self) -> None:
-        for message in receive_pending(self.socket, 256, log):
+        for message in self.links.receive(256):
             if isinstance(message, GenerateRequest):
                 self._admit(message)
             elif isinstance(message, Abort):
@@ -310,7 +312,7 @@ class ReplicaServer:
         self.reporter.state(ReplicaState.STOPPED)
 
     def _send(self, message) -> None:
-        self.socket.send(encode(message))
+        self.links.send(message)
 
 
 def build_replica_engine(spec: StartReplica, args: argparse.Namespace, reporter: StatusReporter):
@@ -376,25 +378,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             load_kv_snapshot_in(spec, engine)
         reporter.state(ReplicaState.REGISTERING, spec.router_backend)
         context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, spec.replica_id.encode())
-        socket.setsockopt(zmq.LINGER, 2000)
-        keys = replica_client_keys(os.environ)  # under `exaserve launch` the router admits only the job's key
-        if keys is not None:
-            secure_client(socket, keys)
-        socket.connect(spec.router_backend)
-        socket.send(encode(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
-                                        max_batch_size=spec.settings.max_batch_size,
-                                        max_seq_len=spec.settings.max_seq_len, node=args.node,
-                                        version=spec.version,
-                                        kv_events_endpoint=kv_events_endpoint)))
-        server = ReplicaServer(spec, engine, socket, reporter, spec.coalesce_ms, spec.coalesce_tokens)
+        # under `exaserve launch` the routers admit only the job's key
+        links = RouterLinks(context, spec.replica_id, spec.router_backends or [spec.router_backend],
+                            replica_client_keys(os.environ))
+        links.broadcast(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
+                                     max_batch_size=spec.settings.max_batch_size,
+                                     max_seq_len=spec.settings.max_seq_len, node=args.node,
+                                     version=spec.version, kv_events_endpoint=kv_events_endpoint))
+        server = ReplicaServer(spec, engine, links, reporter, spec.coalesce_ms, spec.coalesce_tokens)
         reporter.state(ReplicaState.SERVING)
         server.run()
         engine.shutdown()
         if spec.stage is not None:
             pipeline_stage.close_head(engine)  # the other stages exit once the ring says stop
-        socket.close()
+        links.close()
         context.term()
         return 0
     except Exception as exc:  # report the cause to the agent, then exit non-zero

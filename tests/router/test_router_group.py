@@ -1,0 +1,134 @@
+"""Several routers sharing the fleet: the group's arithmetic (pure), the controller's channel to a router
+on another rank (real ZmqRouter, real CURVE sockets), and a replica's links to every router."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from exaserve_hpc.agent.router_links import RouterLinks
+from exaserve_hpc.bootstrap import JobDir, make_curve_keys, secure_client
+from exaserve_hpc.protocol import Drain, GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, decode, encode
+from exaserve_hpc.router.balancing import RoundRobin
+from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
+from exaserve_hpc.router.router_group import RouterGroup, merge_snapshots
+from exaserve_hpc.router.router_link import RemoteRouter, RouterControl
+from exaserve_hpc.router.zmq_router import ZmqRouter
+from waiting import wait_for
+
+
+def test_merge_adds_each_routers_counts_and_outstanding_per_replica():
+    first = {"accepted": 10, "inflight": 2, "pending": 1, "pending_by_model": {"m": 1}, "routing": {"balance": 10},
+             "replicas": [{"replica_id": "m/r1", "outstanding": 2, "queue_depth": 5},
+                          {"replica_id": "m/r2", "outstanding": 0, "queue_depth": 0}]}
+    second = {"accepted": 7, "inflight": 3, "pending": 0, "pending_by_model": {"m": 2}, "routing": {"balance": 6,
+                                                                                                      "retry": 1},
+              "replicas": [{"replica_id": "m/r1", "outstanding": 1}, {"replica_id": "m/r3", "outstanding": 4}]}
+    merged = merge_snapshots([first, second])
+    assert merged["accepted"] == 17 and merged["inflight"] == 5 and merged["pending"] == 1
+    assert merged["pending_by_model"] == {"m": 3} and merged["routing"] == {"balance": 16, "retry": 1}
+    by_id = {r["replica_id"]: r for r in merged["replicas"]}
+    assert by_id["m/r1"]["outstanding"] == 3 and by_id["m/r1"]["queue_depth"] == 5  # the engine's figure, once
+    assert by_id["m/r3"]["outstanding"] == 4  # known to the second router only
+    assert first["accepted"] == 10 and first["replicas"][0]["outstanding"] == 2  # inputs untouched
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def make_router(context, keys=None) -> ZmqRouter:
+    dispatcher = Dispatcher(RoundRobin(), DispatchSettings(first_token_timeout=30, replica_expiry=60,
+                                                           request_timeout=60), {"m"})
+    return ZmqRouter(dispatcher, context=context, curve=keys).start()
+
+
+def fake_replica(context, endpoint: str, keys) -> zmq.Socket:
+    """A replica's DEALER (identity = replica id) that said hello; what a replica process does first."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"m/r1")
+    secure_client(sock, keys)
+    sock.connect(endpoint)
+    sock.send(encode(ReplicaHello(replica_id="m/r1", model="m", pid=1, max_batch_size=4, max_seq_len=64)))
+    return sock
+
+
+def test_a_remote_router_takes_the_controllers_news_and_reports_its_counts(context, tmp_path):
+    keys = make_curve_keys(JobDir(tmp_path / "job").ensure())
+    router = make_router(context, keys)
+    control = RouterControl(router, "127.0.0.1", curve=keys, context=context).start()
+    info = {"rank": 1, "node": "n2", "frontend": router.frontend_endpoint, "backend": router.backend_endpoint,
+            "control": control.endpoint, "gateway_url": "http://n2:8000"}
+    remote = RemoteRouter(info, curve=keys, context=context).start()
+    replica = None
+    try:
+        replica = fake_replica(context, router.backend_endpoint, keys)
+        report = wait_for(lambda: (s := remote.snapshot()).get("replicas") and s, 15, "a report naming the replica")
+        assert [r["replica_id"] for r in report["replicas"]] == ["m/r1"] and remote.alive
+        remote.drain("m/r1")  # the controller's scale-down, carried to the other rank's router
+        assert replica.poll(10_000), "the drain did not reach the replica through the remote router"
+        assert isinstance(decode(replica.recv()), Drain)
+        remote.replica_lost("m/r1", "node n3 lost")
+        wait_for(lambda: not router.snapshot()["replicas"], 10, "the router dropping the lost replica")
+        group = RouterGroup([make_router(context, keys), remote], ["http://n1:8000", ""])
+        try:
+            table = wait_for(lambda: [r for r in group.snapshot()["routers"] if r["index"] == 1
+                                      and r["replicas"] == 0], 10, "the group's table")
+            assert table[0]["state"] == "serving" and table[0]["backend"] == router.backend_endpoint
+            assert group.backend_endpoints[1] == router.backend_endpoint
+        finally:
+            group.members[0].stop()
+        control.stop()  # the router rank is gone: the link notices within REPORT_MISSES intervals
+        wait_for(lambda: not remote.alive, 10, "the link marking the router lost")
+    finally:
+        remote.stop()
+        control.stop()
+        if replica is not None:
+            replica.close(linger=0)
+        router.stop()
+
+
+def test_a_replica_answers_each_request_on_the_router_that_sent_it(context):
+    routers = [context.socket(zmq.ROUTER) for _ in range(2)]
+    endpoints = []
+    for sock in routers:
+        sock.setsockopt(zmq.LINGER, 0)
+        endpoints.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    links = RouterLinks(context, "m/r1", endpoints)
+    try:
+        links.broadcast(ReplicaHello(replica_id="m/r1", model="m", pid=1, max_batch_size=4, max_seq_len=64))
+        for sock in routers:  # every router hears the hello
+            assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()[1]), ReplicaHello)
+        for k, sock in enumerate(routers):
+            sock.send_multipart([b"m/r1", encode(GenerateRequest(request_id=f"q{k}", model="m",
+                                                                 prompt_token_ids=[1, 2], max_tokens=1))])
+        deadline = time.monotonic() + 5
+        got: list = []
+        while len(got) < 2 and time.monotonic() < deadline:
+            if links.poll(100):
+                got += list(links.receive(16))
+        assert sorted(m.request_id for m in got) == ["q0", "q1"]
+        links.send(TokenChunk(request_id="q1", token_ids=[7], finished=True))
+        links.send(TokenChunk(request_id="q0", token_ids=[5], finished=True))
+        links.send(ReplicaStats(replica_id="m/r1", queue_depth=3))
+        for k, sock in enumerate(routers):
+            seen = []
+            while sock.poll(1000):
+                seen.append(decode(sock.recv_multipart()[1]))
+            assert [m.request_id for m in seen if isinstance(m, TokenChunk)] == [f"q{k}"]
+            assert [m.queue_depth for m in seen if isinstance(m, ReplicaStats)] == [3]  # load goes to both
+        routers[1].close(linger=0)  # a router lost: sending to it must never block the replica
+        started = time.monotonic()
+        for i in range(200):
+            links.send(ReplicaStats(replica_id="m/r1", queue_depth=i))
+        assert time.monotonic() - started < 2.0
+    finally:
+        links.close()
+        for sock in routers:
+            sock.close(linger=0)

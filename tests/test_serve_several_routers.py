@@ -1,0 +1,133 @@
+"""Several routers sharing the fleet (router.count: 2) in the running system.
+
+1. `exaserve serve` as a user runs it: two gateways, each over its own router, both answer; every router
+   sees every replica; serve.json and `exaserve status` list both routers and gateways; SIGTERM stops all.
+2. The control plane `exaserve serve` builds (ControlPlane, in this process so the test can take one router
+   away; real agent and replica processes, real ZeroMQ with CURVE, real HTTP): a stream of requests through
+   gateway 0 while router 1 stops: 0 failures there; status marks router 1 lost; the replicas go on serving.
+Echo replicas: the figures are the serving path's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from serve_harness import start_serve, stop_serve
+from waiting import wait_for
+
+pytestmark = pytest.mark.process
+
+
+def echo_site(tmp_path: Path, count: int = 2) -> Path:
+    site = {"site": "two-routers", "cluster": {"nodes": 1, "nodelist": "localhost"},
+            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
+            "router": {"count": count, "replica_heartbeat": "500ms"},
+            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models")},
+            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
+                        "max_seq_len": 4096}]}
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(site))
+    return path
+
+
+def complete(http: httpx.Client, url: str, text: str = "hello routers") -> int:
+    response = http.post(f"{url}/v1/completions", json={"model": "echo", "prompt": text, "max_tokens": 8})
+    return response.status_code
+
+
+def routers_seeing_every_replica(status: dict, replicas: int = 2) -> bool:
+    routers = status["router"].get("routers", [])
+    return len(routers) == 2 and all(r["state"] == "serving" and r["replicas"] == replicas for r in routers)
+
+
+def test_serve_with_two_routers_answers_on_both_gateways_and_lists_them(tmp_path):
+    process, url, lines = start_serve(echo_site(tmp_path))
+    try:
+        state = json.loads((tmp_path / "run" / "serve.json").read_text())
+        gateways = state["gateways"]
+        assert len(gateways) == 2 and gateways[0] == url and len({r["backend"] for r in state["routers"]}) == 2
+        with httpx.Client(timeout=30) as http:
+            wait_for(lambda: routers_seeing_every_replica(http.get(f"{url}/v1/exaserve/status").json()), 30,
+                     "both routers to see both replicas")
+            for gateway in gateways:
+                assert [complete(http, gateway) for _ in range(5)] == [200] * 5
+            # each gateway's requests went through its own router (the counts of both reach status)
+            wait_for(lambda: [r["accepted"] for r in http.get(f"{url}/v1/exaserve/status").json()["router"]["routers"]]
+                     == [5, 5], 10, "5 requests counted by each router")
+        table = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--run-dir", str(tmp_path / "run")],
+                               capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "250"})
+        assert table.returncode == 0, table.stderr
+        assert "routers" in table.stdout, table.stdout
+        for router in state["routers"]:
+            assert router["backend"] in table.stdout and router["gateway"] in table.stdout
+    except BaseException:
+        process.kill()
+        raise
+    stop_serve(process, lines)
+
+
+def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
+    import uvicorn
+
+    from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE
+    from exaserve_hpc.config import load_site
+    from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
+    from exaserve_hpc.serve import private_run_dir, run_keys
+
+    site = load_site(echo_site(tmp_path))
+    run_dir = private_run_dir(tmp_path / "run")
+    keys = run_keys(run_dir)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    plane = ControlPlane(site, PlaneSettings(node="localhost", state_dir=run_dir.path, port=0, curve=keys,
+                                             replica_env={CURVE_JOB_DIR_VARIABLE: str(run_dir.path.absolute())},
+                                             show_progress=False))
+    gateway0 = uvicorn.Server(uvicorn.Config(plane.app, log_level="warning"))
+    threading.Thread(target=gateway0.run, kwargs={"sockets": [plane.listener]}, daemon=True).start()
+    try:
+        url0, url1 = plane.gateway_urls
+        wait_for(lambda: routers_seeing_every_replica(plane.controller.status()), 60, "both routers, both replicas")
+        results: dict[str, list[int]] = {url0: [], url1: []}
+        done = threading.Event()
+
+        def stream(url: str) -> None:
+            with httpx.Client(timeout=5) as http:
+                while not done.is_set():
+                    try:
+                        results[url].append(complete(http, url, f"request {len(results[url])}"))
+                    except httpx.HTTPError:
+                        results[url].append(0)
+
+        clients = [threading.Thread(target=stream, args=(u,), daemon=True) for u in (url0, url1)]
+        for client in clients:
+            client.start()
+        wait_for(lambda: len(results[url0]) >= 20 and len(results[url1]) >= 20, 30, "requests on both gateways")
+        before = len(results[url0])
+        plane.routers.local[1].stop()  # router 1 is lost; its gateway's requests have nowhere to go
+        wait_for(lambda: len(results[url0]) >= before + 50, 60, "gateway 0 serving after router 1 was lost")
+        done.set()
+        for client in clients:
+            client.join(10)
+        assert results[url0] and set(results[url0]) == {200}, f"gateway 0 failed: {sorted(set(results[url0]))}"
+        status = plane.controller.status()
+        assert [r["state"] for r in status["router"]["routers"]] == ["serving", "lost"]
+        assert [r["state"] for r in status["replicas"]] == ["serving", "serving"]
+        assert plane.controller.liveness() == []  # /health stays 200: a router still routes
+        with httpx.Client(timeout=10) as http:
+            assert http.get(f"{url0}/health").status_code == 200
+            assert complete(http, url0) == 200
+    finally:
+        gateway0.should_exit = True
+        plane.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
