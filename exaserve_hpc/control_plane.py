@@ -404,6 +404,8 @@ class ControlPlane:
 
     def run(self) -> int:
         state_file = write_state(Path(self.settings.state_dir), self.url, self.site, self.routers_table())
+        if self.routers is not None:  # routers of other ranks join later: list them as they come
+            self.routers.on_change = lambda: write_state(state_file.parent, self.url, self.site, self.routers_table())
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      timeout_graceful_shutdown=10, access_log=False)

@@ -50,6 +50,7 @@ class SeveralRouters:
         self.local = [router0]  # routers in this process, router 0 first
         self.group = RouterGroup([router0])
         self._servers: list = []
+        self.on_change: Callable[[], None] = lambda: None  # a router joined (launch): serve.json is written again
         if not settings.across_nodes:
             r = site.router
             for k in range(1, self.count):
@@ -60,7 +61,7 @@ class SeveralRouters:
         else:
             self._discovery = RouterDiscovery(self.group, Path(settings.state_dir),
                                               run_tag(settings.job_id, settings.restart), range(1, self.count),
-                                              settings.curve)
+                                              settings.curve, on_joined=lambda: self.on_change())
             self.group.discover = self._discovery.poll
 
     # ---------------------------------------------------------------- serve's extra gateways
@@ -101,8 +102,9 @@ class RouterDiscovery:
     """Rank 0: adds each router rank's registration (JOBDIR/routers/rank-K.json) to the group once."""
 
     def __init__(self, group: RouterGroup, job_dir: Path, tag: str, ranks, curve=None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_joined: Callable[[], None] = lambda: None):
         self.group, self.job_dir, self.tag, self.curve, self.clock = group, job_dir, tag, curve, clock
+        self.on_joined = on_joined
         self.missing = set(ranks)
         self._next = 0.0
         self._lock = threading.Lock()
@@ -110,6 +112,7 @@ class RouterDiscovery:
     def poll(self) -> None:
         if not self.missing or self.clock() < self._next:
             return
+        joined = False
         with self._lock:
             self._next = self.clock() + DISCOVER_EVERY
             from .bootstrap import JobDir
@@ -122,3 +125,9 @@ class RouterDiscovery:
                 self.group.add(RemoteRouter(info, curve=self.curve).start(), info.get("gateway_url", ""))
                 log.info("router of rank %d on %s joined: backend %s, gateway %s", rank, info.get("node"),
                          info["backend"], info.get("gateway_url"))
+                joined = True
+        if joined:
+            try:
+                self.on_joined()
+            except Exception:  # the job directory's listing is a convenience; routing goes on without it
+                log.exception("could not list the routers in the job directory")

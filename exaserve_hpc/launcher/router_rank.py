@@ -1,0 +1,160 @@
+"""`exaserve launch` on ranks 1 .. router.count-1: a router and its gateway on this node, beside its agent.
+
+    rank 0      controller + router 0 + gateway 0 + agent
+    rank k < N  router k + gateway k + agent            (this module; N = router.count)
+    rank k >= N agent
+
+After rank 0 publishes the controller (bootstrap: address and CURVE key), a router rank:
+  1. binds its router (the job's CURVE server key, read from the job directory like every rank's keys),
+     the router's control socket (router/router_link.py: rank 0's loss/drain news, its reports) and its
+     gateway's port, on this node's addresses (router.interface / gateway.interface as on rank 0);
+  2. registers: JOBDIR/routers/rank-K.json (this run's job id and restart, endpoints, gateway URL), before
+  3. its node's agent connects: placement waits for every node's agent, so rank 0 knows this router
+     before any replica starts, and every replica connects to it (several_routers.py);
+  4. serves: the gateway in a thread, the agent in the main thread (stopped as any agent rank's is).
+A stop signal stops this gateway taking requests at once (its open ones finish, at most 10 s), and the
+agent as any agent rank's: by rank 0's order, else by itself after AGENT_STOP_GRACE; then the router.
+Losing this node loses only this router's in-flight requests: every replica also serves the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+from ..bootstrap import BootstrapError, ControllerInfo, CurveKeys, JobDir, RankInfo, wait_for_controller
+from ..config import SiteConfig
+
+log = logging.getLogger("exaserve.launch")
+
+
+def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
+    """The job's keys, server secret included: this router is a CURVE server for the job's client key,
+    as rank 0's is. None when rank 0 runs without CURVE."""
+    if not info.server_public_key:
+        return None
+    keys = jobdir.path / "keys"
+    try:
+        return CurveKeys(info.server_public_key.encode(), (keys / "server.key").read_bytes(),
+                         (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
+    except OSError as exc:
+        raise BootstrapError(f"router rank: the job's keys in {keys} cannot be read ({exc.strerror}); the job "
+                             "directory must be shared by every node") from exc
+
+
+def check_router_count(site: SiteConfig, size: int) -> None:
+    """router.count routers need that many ranks (router k runs on rank k)."""
+    if site.router.count > size:
+        from ..control_plane import ControlPlaneError
+        raise ControlPlaneError(f"router.count is {site.router.count} but the job has {size} node(s); allowed: "
+                                f"1 to {size} (router k runs on rank k), or submit with --nodes {site.router.count}")
+
+
+def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm=None) -> int:
+    import uvicorn
+
+    from ..addresses import AddressError, http_url, resolve_listen
+    from ..agent.gpu_binding import GpuGrantError
+    from ..agent.node_agent import EXIT_BAD_GRANT
+    from ..control_plane import ControlPlaneError, listen_socket, make_router
+    from ..several_routers import router_file, run_tag
+    from ..router.router_link import RouterControl
+    from .rank import stop_gracefully_on_signals
+
+    info = wait_for_controller(rank, jobdir, comm)
+    keys = router_keys(jobdir, info)
+    r, g = site.router, site.gateway
+    try:
+        router_bind, _ = resolve_listen(r.host, r.interface, rank.node,
+                                        "router.interface" if r.interface else "router.host", True)
+        if args.host:
+            gateway_bind, publish = resolve_listen(args.host, None, rank.node, "--host", True)
+        else:
+            gateway_bind, publish = resolve_listen(g.host, g.interface, rank.node,
+                                                   "gateway.interface" if g.interface else "gateway.host", True)
+    except AddressError as exc:
+        raise ControlPlaneError(str(exc)) from exc
+    router = make_router(site, router_bind, r.frontend_port, r.backend_port, keys)
+    control = RouterControl(router, router_bind, curve=keys).start()
+    listener = listen_socket(gateway_bind, g.port if args.port is None else args.port,
+                             "gateway.port" if args.port is None else "--port")
+    url = http_url(publish, listener.getsockname()[1])
+    app, ledger = gateway_app(site, router, jobdir, keys, rank, info)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+                                           access_log=False))
+    gateway = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="exaserve-gateway",
+                               daemon=True)
+    gateway.start()
+    jobdir.write_json(router_file(rank.rank), {
+        "run": run_tag(rank.job_id, rank.restart), "rank": rank.rank, "node": rank.node,
+        "frontend": router.frontend_endpoint, "backend": router.backend_endpoint, "control": control.endpoint,
+        "gateway_url": url, "published_at": time.time()})
+    print(f"exaserve: rank {rank.rank} on {rank.node}: router {router.backend_endpoint}, gateway {url}/v1",
+          flush=True)
+    try:
+        try:
+            agent = node_agent(info, site, rank, jobdir, keys)
+        except GpuGrantError as exc:
+            print(f"error: rank {rank.rank} on {rank.node}: {exc}", file=sys.stderr, flush=True)
+            return EXIT_BAD_GRANT
+        stop_gracefully_on_signals(lambda: agent.shutdown(10.0))
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the gateway stops taking requests at once
+            chained = signal.getsignal(sig)
+            signal.signal(sig, lambda s, f, chained=chained: (setattr(server, "should_exit", True), chained(s, f)))
+        return agent.run()
+    finally:
+        server.should_exit = True
+        gateway.join(15.0)
+        listener.close()
+        control.stop()
+        router.stop()
+        ledger.close()
+
+
+def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, keys: Optional[CurveKeys]):
+    """This node's agent, as an agent rank makes it (launcher/rank.py): the controller's client, its
+    replicas reading the job's keys from the job directory."""
+    from ..agent.node_agent import NodeAgent, default_l2_root
+    from ..bootstrap import CURVE_JOB_DIR_VARIABLE, secure_client
+    agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
+                      l2_capacity=site.weight_cache.l2_capacity,
+                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
+                      controller_timeout=site.heartbeat.controller_timeout, gpus_per_node=site.cluster.gpus_per_node,
+                      replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
+    if keys is not None:
+        secure_client(agent.socket, keys)
+    return agent
+
+
+def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo, info: ControllerInfo):
+    """This rank's gateway over its own router: the same app as rank 0's (keys, quotas, the job's usage
+    ledger beside the job directory), with a status of this router (the fleet's is rank 0's)."""
+    from ..quota.ledger import UsageLedger, ledger_dir
+    from ..router.admin_api import ADMIN_KEY_FILE
+    from ..router.backend import ModelInfo
+    from ..router.client import RouterClient
+    from ..router.gateway import create_app
+    created = int(time.time())
+    models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
+
+    def status() -> dict:
+        snapshot = router.snapshot()
+        return {"site": site.site, "role": f"router rank {rank.rank} on {rank.node}",
+                "controller": {"endpoint": info.endpoint, "gateway": info.gateway_url},
+                "router": {k: v for k, v in snapshot.items() if k != "replicas"},
+                "replicas": [{"replica_id": e["replica_id"], "model": e["model"], "node": e["node"],
+                              "queue_depth": e["queue_depth"], "outstanding": e["outstanding"]}
+                             for e in snapshot.get("replicas", [])]}
+
+    client = RouterClient(router.frontend_endpoint, models, status=status,
+                          ready=lambda: bool(router.snapshot().get("replicas")), curve=keys)
+    try:  # rank 0 wrote it before it published the controller
+        admin_key = site.router.admin_key or (jobdir.path / ADMIN_KEY_FILE).read_text().strip()
+    except OSError:
+        admin_key = None
+    ledger = UsageLedger(ledger_dir(site, jobdir.path.parent), half_life=site.gateway.fair_share_half_life)
+    return create_app(client, site, admin_key=admin_key, ledger=ledger), ledger

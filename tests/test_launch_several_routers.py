@@ -1,0 +1,106 @@
+"""`exaserve launch` with router.count: 2, without Slurm: two ranks on this machine (srun's variables set by
+hand, the job directory carrying the bootstrap, CURVE on). Rank 1 runs router 1 and its gateway beside its
+agent; every replica connects to both routers; the job directory lists both gateways; status shows both
+routers seeing every replica. Then rank 1's node is lost (its process group killed: router, gateway, agent,
+replica) under a stream of requests through rank 0's gateway: 0 of them fail, status marks router 1 lost,
+and rank 0 still stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from waiting import wait_for
+
+pytestmark = pytest.mark.process
+
+
+def start_rank(site_file: Path, job_dir: Path, rank: int, node: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_JOB_ID": "t2", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+           "SLURMD_NODENAME": node}
+    return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
+                             "--job-dir", str(job_dir), "--port", "0"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()
+
+
+def complete(http: httpx.Client, url: str, text: str) -> int:
+    return http.post(f"{url}/v1/completions", json={"model": "echo", "prompt": text, "max_tokens": 8}).status_code
+
+
+def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
+    site = {"site": "two-router-launch", "cluster": {"nodes": 2, "nodelist": "nodea,nodeb"},
+            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
+            "router": {"count": 2, "replica_heartbeat": "500ms"},
+            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
+                                                               "l2_path": str(tmp_path / "shm")},
+            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
+                        "max_seq_len": 4096}]}
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site))
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]), start_rank(site_file, job_dir, 1, "nodeb", logs[1])]
+    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    try:
+        def listed() -> list[str]:
+            try:
+                return json.loads((job_dir / "serve.json").read_text()).get("gateways", [])
+            except (OSError, ValueError):
+                return []
+
+        assert wait_for(lambda: len(listed()) == 2 or any(r.poll() is not None for r in ranks), 90,
+                        "both gateways listed in the job directory") and len(listed()) == 2, output()
+        url0, url1 = listed()
+        assert (job_dir / "routers" / "rank-1.json").exists()
+        wait_for(lambda: [(r["state"], r["replicas"]) for r in status(url0)["router"]["routers"]]
+                 == [("serving", 2), ("serving", 2)], 60, "both routers seeing both replicas")
+        assert {r["node"] for r in status(url0)["replicas"]} == {"nodea", "nodeb"}
+        with httpx.Client(timeout=30) as http:
+            for url in (url0, url1):
+                assert [complete(http, url, f"hello {i}") for i in range(5)] == [200] * 5
+
+        codes: list[int] = []
+        done = threading.Event()
+
+        def stream() -> None:
+            with httpx.Client(timeout=30) as http:
+                while not done.is_set():
+                    try:
+                        codes.append(complete(http, url0, f"request {len(codes)}"))
+                    except httpx.HTTPError:
+                        codes.append(0)
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        wait_for(lambda: len(codes) >= 20, 30, "requests flowing through gateway 0")
+        os.killpg(ranks[1].pid, signal.SIGKILL)  # node b lost: router 1, gateway 1, its agent and replica
+        wait_for(lambda: [r["state"] for r in status(url0)["router"]["routers"]] == ["serving", "lost"], 30,
+                 "router 1 marked lost")
+        # the lost node's replica is placed again on node a; the stream goes on meanwhile
+        wait_for(lambda: sum(r["state"] == "serving" and r["node"] == "nodea" for r in status(url0)["replicas"]) == 2,
+                 60, "both replicas serving on node a")
+        before = len(codes)
+        wait_for(lambda: len(codes) >= before + 20, 30, "requests after the re-placement")
+        done.set()
+        client.join(35)
+        assert codes and set(codes) == {200}, f"gateway 0 failed {sum(c != 200 for c in codes)} of {len(codes)}"
+        os.kill(ranks[0].pid, signal.SIGUSR1)
+        assert ranks[0].wait(timeout=60) == 0, output()
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGKILL)
