@@ -206,6 +206,7 @@ class PlaneSettings:
     show_progress: bool = True
     drain_timeout: float = 10.0
     drain_wait: float = 20.0
+    start_agent: bool = True                # False: this node's agent already runs (an HA candidate's, ha/launch.py)
 
 
 class ControlPlane:
@@ -305,6 +306,9 @@ class ControlPlane:
 
     def _start_agent(self) -> None:
         s, site = self.settings, self.site
+        if not s.start_agent:
+            self.agent_supervisor, self.agent_thread = None, None
+            return
         endpoint = self.controller.endpoint
         if not s.agent_in_thread:  # restarted when it dies on its own (agent_supervisor.py)
             from .agent_supervisor import AgentSupervisor
@@ -378,6 +382,12 @@ class ControlPlane:
         return [{k: r[k] for k in ("index", "frontend", "backend", "gateway")}
                 for r in self.router.snapshot()["routers"]]
 
+    def abandon(self, why: str) -> None:
+        """End run() without the job's stop order (ha/: this plane is no longer the leader's): no checkpoint,
+        no drain; the agents and their replicas are the new leader's."""
+        self.abandoned = why
+        self.request_stop(why)
+
     def request_stop(self, why: str) -> None:
         """End run() gracefully from any thread (a requeue handed to a successor, a stop file)."""
         print(f"exaserve: stopping: {why}", flush=True)
@@ -429,6 +439,13 @@ class ControlPlane:
                 hook()
             except Exception:  # noqa: BLE001 - one failed hook must not leave replicas running
                 log.exception("stop hook %s failed", hook)
+        if getattr(self, "abandoned", ""):  # another leader runs the fleet: close ours, touch nothing of theirs
+            for close in reversed(self._closers):
+                with contextlib.suppress(Exception):
+                    close()
+            print(f"exaserve: stopped leading ({self.abandoned}); agents and replicas left to the new leader",
+                  flush=True)
+            return
         self.keeper.stop()
         self.checkpoint_once()
         print("exaserve: stopping: draining replicas on every node", flush=True)

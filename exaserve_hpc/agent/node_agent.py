@@ -18,6 +18,7 @@ its L2 pin. Restarting or re-placing is the controller's decision.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -134,13 +135,7 @@ class NodeAgent:
     def run(self) -> int:
         self.socket.connect(self.controller)
         self.controller_heard = time.monotonic()  # the controller's silence counts from here
-        gpus, why = read_gpus()
-        gpus = granted_telemetry(self.grant, gpus)  # the granted GPUs, as the pool numbers them
-        if not gpus:
-            log.info("%s", why)
-        self._send(AgentHello(agent_id=self.agent_id, hostname=self.hostname, pid=os.getpid(),
-                              node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0],
-                              memory=self.pool.status(), l2=self.cache.status(time.monotonic())))
+        self._hello()
         next_heartbeat = 0.0
         beats = threading.Thread(target=self._beat_loop, name="exaserve-agent-heartbeat", daemon=True)
         self._heartbeat()  # the thread has a beat to send even if the loop's first round hangs
@@ -189,6 +184,32 @@ class NodeAgent:
             self.socket.close()
             self.context.term()
 
+    def _hello(self) -> None:
+        gpus, why = read_gpus()
+        gpus = granted_telemetry(self.grant, gpus)  # the granted GPUs, as the pool numbers them
+        if not gpus:
+            log.info("%s", why)
+        self._send(AgentHello(agent_id=self.agent_id, hostname=self.hostname, pid=os.getpid(),
+                              node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0],
+                              memory=self.pool.status(), l2=self.cache.status(time.monotonic())))
+
+    def follow(self, controller: str, server_public_key: bytes = b"") -> None:
+        """Register with another controller (a new leader, ha/): any thread. The replicas keep running; the
+        hello and the next heartbeat tell the new controller what runs here. controller_timeout counts from now."""
+        with self._socket_lock:
+            if controller == self.controller:
+                return
+            with contextlib.suppress(zmq.ZMQError):
+                self.socket.disconnect(self.controller)
+            if server_public_key:
+                self.socket.curve_serverkey = server_public_key
+            log.warning("following the controller at %s (was %s)", controller, self.controller)
+            self.controller = controller
+            self.socket.connect(controller)
+            self.controller_heard = time.monotonic()
+        self._hello()
+        self._heartbeat_due = True
+
     # ---------------------------------------------------------------- commands
 
     def _receive(self) -> None:
@@ -210,6 +231,10 @@ class NodeAgent:
         if existing is not None and not existing.finished:
             if not (spec.stage and existing.spec.stage and spec.stage.key != existing.spec.stage.key):
                 log.warning("replica %s is already here (%s)", spec.replica_id, existing.state.value)
+                # a new controller (a new leader, or one restored from a checkpoint) learns its state
+                self._send(ReplicaEvent(agent_id=self.agent_id, replica_id=spec.replica_id,
+                                        state=existing.state.value, detail="already running here",
+                                        seconds_in_previous_state=0.0))
                 return
             self._discard_stage(existing, spec.stage.key)
         if self.shutting_down:

@@ -102,8 +102,6 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     resume = job.resume_dir()
     try:
         check_quota_accounts(site)
-        from .router_rank import check_router_count
-        check_router_count(site, rank.size)  # router k runs on rank k
         plane = ControlPlane(site, PlaneSettings(
             node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
             host=args.host, port=args.port, curve=keys, expected_agents=nodes, agent_in_thread=True,
@@ -177,23 +175,29 @@ def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> in
     return _run_agent_for(info, site, rank, jobdir, f"rank {rank.rank} on {rank.node}: agent joined {info.endpoint}")
 
 
-def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
-    """This node's agent, connected to the published controller (with its CURVE key when it has one); its
-    replica processes read the keys from the job directory the agent names to them."""
-    from ..agent.gpu_binding import GpuGrantError
-    from ..agent.node_agent import EXIT_BAD_GRANT, NodeAgent, default_l2_root
+def build_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir):
+    """This node's agent for the published controller (with its CURVE key when it has one); its replica
+    processes read the keys from the job directory the agent names to them. Raises GpuGrantError."""
+    from ..agent.node_agent import NodeAgent, default_l2_root
     keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
+    agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
+                      l2_capacity=site.weight_cache.l2_capacity,
+                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
+                      controller_timeout=site.heartbeat.controller_timeout, gpus_per_node=site.cluster.gpus_per_node,
+                      replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
+    if keys is not None:
+        secure_client(agent.socket, keys)
+    return agent
+
+
+def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
+    from ..agent.gpu_binding import GpuGrantError
+    from ..agent.node_agent import EXIT_BAD_GRANT
     try:
-        agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
-                          l2_capacity=site.weight_cache.l2_capacity,
-                          l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
-                          controller_timeout=site.heartbeat.controller_timeout, gpus_per_node=site.cluster.gpus_per_node,
-                          replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
+        agent = build_agent(info, site, rank, jobdir)
     except GpuGrantError as exc:
         print(f"error: rank {rank.rank} on {rank.node}: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_GRANT
-    if keys is not None:
-        secure_client(agent.socket, keys)
     stop_gracefully_on_signals(lambda: agent.shutdown(10.0))
     print(f"exaserve: {joined}", flush=True)
     return agent.run()
@@ -220,11 +224,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return run_joining_agent(site, rank, jobdir)
     inventories = exchange_inventories(rank, jobdir, NodeInventory.probe(rank), comm, timeout=args.bootstrap_timeout)
     try:
+        if site.ha.etcd is not None:  # controller candidates elected through etcd (issue 18)
+            from ..ha.launch import run_ha_rank
+            return run_ha_rank(site, job, rank, jobdir, inventories, args)
         if role_for(rank.rank) is Role.CONTROLLER:
             return run_controller(site, job, rank, jobdir, inventories, args, comm)
-        if rank.rank < site.router.count:  # several routers share the fleet: router k and a gateway on rank k
-            from .router_rank import run_router_rank
-            return run_router_rank(site, rank, jobdir, args, comm)
         return run_agent(site, rank, jobdir, comm)
     except (BootstrapError, ControlPlaneError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -119,6 +119,9 @@ class Controller(ControllerLoop):
         self.fleet.model_dir = self.rollouts.model_dir
         self.weights = WeightControl(self.fleet, self.placement)  # load failover and L2 prefetch
         self.oom = OomControl(self.fleet, self.demand, demand_interval)  # evictions when device memory runs short
+        # The HA gate (ha/election.py): False once this controller is not surely the leader. Then it decides
+        # nothing and sends nothing (controller_loop.py), so a deposed leader stops before a standby starts.
+        self.acting: Callable[[], bool] = lambda: True
 
     # the fleet's tables, for readers that knew them here
     @property
@@ -196,6 +199,8 @@ class Controller(ControllerLoop):
 
     def handle(self, agent_id: str, message) -> None:
         """One message from an agent (fleet lock held); replies go to the fleet's outbox."""
+        if not self.acting():
+            return
         now = self.clock()
         fleet = self.fleet
         if isinstance(message, StageHello):  # a pipeline stage process looking for its peers (pipeline.py)
@@ -228,7 +233,9 @@ class Controller(ControllerLoop):
                     record.load_bytes_done, record.load_bytes_total = status.load_bytes_done, status.load_bytes_total
                 elif record is not None and self._adoptable(record, agent_id, status):
                     self._adopt(record, agent_id, status)
-                elif record is not None and not ReplicaState(status.state).terminal:
+                elif record is not None and not ReplicaState(status.state).terminal \
+                        and self.placement.preferred.get(status.replica_id) != agent_id:
+                    # (A replica the restored state places here is kept: a new leader, ha/, places it here.)
                     # An agent declared lost came back (a stall, not a death) while its replica was
                     # re-placed elsewhere: one copy must go, and it is the stale one.
                     log.warning("agent %s still runs replica %s, now placed on %s; stopping the stale copy",
@@ -295,6 +302,8 @@ class Controller(ControllerLoop):
     def tick(self, now: float) -> None:
         """Periodic work (fleet lock held): lost nodes, restarts, autoscaling, rollouts, OOM guard,
         placement and rebalancing, demand samples and L2 prefetch."""
+        if not self.acting():
+            return
         expiry, grace = self.site.heartbeat.expiry, self.site.heartbeat.loss_grace
         for agent in list(self.agents.values()):
             silent = now - agent.last_seen

@@ -108,6 +108,8 @@ class ControllerLoop:
         """Send what the handlers left in the fleet's outbox (the only place the socket is written)."""
         with self.fleet.lock:
             out = self.fleet.take_outbox()
+        if out and not self.acting():
+            return  # deposed (ha/): nothing this controller queued may reach an agent
         for agent_id, message in out:
             try:
                 self.socket.send_multipart([agent_id.encode(), encode(message)], zmq.NOBLOCK)

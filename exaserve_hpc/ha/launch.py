@@ -1,0 +1,262 @@
+"""`exaserve launch` with `ha.etcd`: controller candidates elected through etcd instead of rank 0 alone.
+
+Every rank: its etcd member when its rank is below `ha.etcd.members` (all members must be named before any
+starts, so each writes its spec to JOBDIR/etcd/restart-N/ and waits for the others), and its node's agent,
+which follows whichever controller controller.json names (follow.py). Ranks below `ha.candidates` also
+campaign (election.py). The one elected builds the control plane (control_plane.py, the same as rank 0's
+without HA, with this node's agent already running), gates its controller on the lease
+(`controller.acting = election.acting`), restores the fleet state from etcd (fleet_store.py; else the
+HDF5 checkpoint as before), writes it back when it changes, and publishes itself in controller.json and
+under the job's etcd prefix. A deposed leader closes its plane without draining anything (the fleet is
+the new leader's) and campaigns again; a stopped job (signal, requeue) stops as without HA and resigns, so
+no standby takes over a fleet being stopped. Rank 0 campaigns first; the others wait for the first
+controller.json (or two lease periods), so the usual leader is where it is without HA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+from typing import Optional
+
+from ..addresses import AddressError, resolve_listen
+from ..bootstrap import (
+    CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, CurveKeys, JobDir, NodeInventory, RankInfo,
+    curve_available, make_curve_keys, publish_controller,
+)
+from ..config import SiteConfig
+from ..jobenv import JobEnvironment
+from .election import Deposed, Election
+from .etcd_client import EtcdClient, EtcdUnavailable
+from .etcd_member import EtcdMember, EtcdMemberError, MemberSpec
+from .fleet_store import FleetStateWriter, read_state
+from .follow import LeaderFollower, current_controller
+from .lease_policy import LeaseTiming
+
+log = logging.getLogger("exaserve.ha")
+
+
+def etcd_prefix(job_id: str) -> str:
+    """The job's keys; the same across requeues of one job id."""
+    return f"/exaserve/{job_id}"
+
+
+def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float) -> tuple[Optional[EtcdMember], list[str]]:
+    """This rank's member when it runs one, and every member's client URL (a centre's endpoints as given)."""
+    cfg = site.ha.etcd
+    if cfg.endpoints:
+        return None, list(cfg.endpoints)
+    if rank.size < cfg.members:
+        raise BootstrapError(f"ha.etcd.members is {cfg.members} but the job has {rank.size} ranks; allowed: at most "
+                             "the job's nodes (one member a node)")
+    run = f"etcd/restart-{rank.restart}"
+    (jobdir.path / run).mkdir(parents=True, exist_ok=True, mode=0o700)
+    if rank.rank < cfg.members:
+        try:
+            _, host = resolve_listen(None, cfg.interface or site.router.interface, rank.node,
+                                     "ha.etcd.interface" if cfg.interface else "router.interface", True)
+        except AddressError as exc:
+            raise BootstrapError(str(exc)) from exc
+        spec = MemberSpec(f"etcd-{rank.rank}", host, cfg.client_port, cfg.peer_port,
+                          str(jobdir.path / run / f"etcd-{rank.rank}"))
+        jobdir.write_json(f"{run}/member-{rank.rank}.json", spec.to_json())
+    deadline = time.monotonic() + timeout
+    specs: list[Optional[MemberSpec]] = [None] * cfg.members
+    while time.monotonic() < deadline and not all(specs):
+        for i in range(cfg.members):
+            data = specs[i] or jobdir.read_json(f"{run}/member-{i}.json")
+            specs[i] = data if isinstance(data, MemberSpec) else (MemberSpec(**data) if data else None)
+        if not all(specs):
+            time.sleep(0.2)
+    missing = [i for i, spec in enumerate(specs) if spec is None]
+    if missing:
+        raise BootstrapError(f"rank {rank.rank}: etcd members of ranks {missing} did not report within "
+                             f"{timeout:.0f}s in {jobdir.path / run}")
+    member = None
+    if rank.rank < cfg.members:
+        member = EtcdMember(specs[rank.rank], specs, token=f"exaserve-{rank.job_id}-{rank.restart}").start()
+        try:
+            member.wait_ready(timeout)
+        except EtcdMemberError as exc:
+            member.stop()
+            raise BootstrapError(str(exc)) from exc
+    return member, [spec.client_url for spec in specs]
+
+
+def job_curve_keys(jobdir: JobDir) -> CurveKeys:
+    """The job's CURVE keys: made by the first leader, reused by every later one, so agents and replicas keep
+    the keys they hold across a failover."""
+    keys = jobdir.path / "keys"
+    try:
+        return CurveKeys(*((keys / name).read_bytes() for name in ("server.pub", "server.key", "client.pub",
+                                                                    "client.key")))
+    except OSError:
+        return make_curve_keys(jobdir)
+
+
+class Candidate:
+    """One rank of an HA job: agent (following the leader), and, below ha.candidates, a candidate."""
+
+    def __init__(self, site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
+                 inventories: list[NodeInventory], args: argparse.Namespace, etcd: EtcdClient):
+        self.site, self.job, self.rank, self.jobdir, self.args, self.etcd = site, job, rank, jobdir, args, etcd
+        self.nodes = [inv.node for inv in inventories]
+        self.prefix = etcd_prefix(rank.job_id)
+        self.timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)
+        self.agent = None
+        self.agent_thread: Optional[threading.Thread] = None
+        self.follower: Optional[LeaderFollower] = None
+        self.plane = None
+        self.stop_asked = False
+        self.elected = threading.Event()
+        self.election = Election(etcd, self.prefix, f"rank{rank.rank}@{rank.node}", self.timing,
+                                 on_elected=lambda e: self.elected.set(), on_deposed=self._deposed,
+                                 info={"rank": rank.rank, "node": rank.node})
+
+    # ---------------------------------------------------------------- agent
+
+    def ensure_agent(self, info: ControllerInfo) -> None:
+        from ..launcher.rank import build_agent
+        if self.agent is not None:
+            return
+        self.agent = build_agent(info, self.site, self.rank, self.jobdir)
+        self.agent_thread = threading.Thread(target=self.agent.run, name="exaserve-agent", daemon=True)
+        self.agent_thread.start()
+        self.follower = LeaderFollower(self.agent, self.jobdir, self.rank).start()
+        print(f"exaserve: rank {self.rank.rank} on {self.rank.node}: agent joined {info.endpoint}", flush=True)
+
+    def _on_stop_signal(self, sig, frame) -> None:
+        """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
+        from ..launcher.rank import AGENT_STOP_GRACE
+        print(f"exaserve: {signal.Signals(sig).name}: stopping (by the leader's order, or in "
+              f"{AGENT_STOP_GRACE:.0f}s)", flush=True)
+        self.stop_asked = True
+        signal.setitimer(signal.ITIMER_REAL, AGENT_STOP_GRACE)
+
+    def _grace_over(self, *_) -> None:
+        if self.agent is not None:
+            self.agent.shutdown(10.0)
+
+    # ---------------------------------------------------------------- leading
+
+    def _deposed(self, why: str) -> None:
+        plane = self.plane
+        if plane is not None:
+            plane.abandon(f"lost the leadership: {why}")
+
+    def lead(self) -> tuple[int, bool]:
+        """Run the control plane while leading: (exit code, whether it ended by deposition)."""
+        from ..control_plane import ControlPlane, PlaneSettings
+        from ..launcher.rank import check_quota_accounts, start_requeue_watch
+        previous = current_controller(self.jobdir, self.rank)
+        nodes = list(previous.nodes) if previous else self.nodes
+        expected = nodes or None
+        if previous is not None:  # a failover: placement waits for every node but the old leader's
+            try:
+                kv = self.etcd.get(f"{self.prefix}/controller")
+                old = json.loads(kv.value).get("node") if kv else None
+            except (EtcdUnavailable, ValueError):
+                old = None
+            expected = [n for n in nodes if n != old] or None
+        keys = job_curve_keys(self.jobdir) if not self.args.no_curve and curve_available() else None
+        resume = self.job.resume_dir()
+        check_quota_accounts(self.site)
+        plane = ControlPlane(self.site, PlaneSettings(
+            node=self.rank.node, state_dir=self.jobdir.path, job_id=self.rank.job_id, restart=self.rank.restart,
+            across_nodes=True, host=self.args.host, port=self.args.port, curve=keys, expected_agents=expected,
+            node_index=self.rank.rank, start_agent=False, show_progress=False,
+            replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
+            restore_from=(resume,) if resume else ()))
+        plane.controller.acting = self.election.acting
+        self.plane = plane
+        try:
+            state = read_state(self.etcd, self.prefix)
+        except (EtcdUnavailable, ValueError) as exc:
+            state = None
+            log.warning("fleet state not read from etcd (%s); starting from the checkpoint or the plan", exc)
+        if state is not None:
+            plane.controller.restore(state)
+            print(f"exaserve: restored the fleet state from etcd ({len(state.placement)} replicas, excluded "
+                  f"{','.join(state.excluded_nodes) or 'none'})", flush=True)
+        writer = FleetStateWriter(self.election, self.prefix, plane.keeper.state,
+                                  interval=self.site.ha.state_interval).start()
+        plane.add_stop_hook(writer.stop)
+        watch = start_requeue_watch(plane, self.site, self.job, self.rank, self.jobdir, nodes, self.args)
+        if watch is not None:
+            plane.add_stop_hook(watch.stop)
+        info = ControllerInfo(job_id=self.rank.job_id, restart=self.rank.restart, endpoint=plane.controller.endpoint,
+                              gateway_url=plane.url, server_public_key=keys.server_public.decode() if keys else "",
+                              nodes=nodes)
+        try:
+            self.election.fenced_put({f"{self.prefix}/controller": json.dumps(
+                {"endpoint": info.endpoint, "gateway_url": info.gateway_url, "node": self.rank.node})})
+        except (Deposed, EtcdUnavailable) as exc:
+            plane.abandon(f"could not publish as the leader: {exc}")
+        else:
+            publish_controller(self.rank, self.jobdir, info)
+            self.ensure_agent(info)  # this node's agent, if it had none yet, or it follows within a poll
+            print(f"exaserve: rank {self.rank.rank} on {self.rank.node} leads: controller {info.endpoint}, gateway "
+                  f"{plane.url}/v1", flush=True)
+        code = plane.run()
+        self.plane = None
+        return code, bool(getattr(plane, "abandoned", ""))
+
+    # ---------------------------------------------------------------- the rank
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGUSR1, self._on_stop_signal)
+        signal.signal(signal.SIGALRM, self._grace_over)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        candidate = self.rank.rank < self.site.ha.candidates
+        campaign_after = time.monotonic() + (0 if self.rank.rank == 0 else 2 * self.timing.ttl)
+        campaigning = False
+        try:
+            while True:
+                if candidate and not campaigning and not self.stop_asked and (
+                        time.monotonic() >= campaign_after or current_controller(self.jobdir, self.rank)):
+                    self.election.start()
+                    campaigning = True
+                if self.agent_thread is not None and not self.agent_thread.is_alive():
+                    return self.agent.exit_code  # drained by the leader's stop order, or lost its controller
+                if self.elected.is_set() and not self.stop_asked:
+                    self.elected.clear()
+                    code, deposed = self.lead()
+                    if not deposed:
+                        return code  # the job stopped (signal, requeue): not a failover
+                    signal.signal(signal.SIGTERM, self._on_stop_signal)
+                    signal.signal(signal.SIGUSR1, self._on_stop_signal)
+                    continue
+                if self.agent is None:
+                    info = current_controller(self.jobdir, self.rank)
+                    if info is not None:
+                        self.ensure_agent(info)
+                time.sleep(0.2)
+        finally:
+            if campaigning:
+                self.election.stop(resign=True)
+            if self.follower is not None:
+                self.follower.stop()
+            if self.agent_thread is not None and self.agent_thread.is_alive():
+                self.agent.shutdown(10.0)
+                self.agent_thread.join(30)
+
+
+def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
+                inventories: list[NodeInventory], args: argparse.Namespace) -> int:
+    """One rank of `exaserve launch` with `ha.etcd` set (launcher/rank.py)."""
+    member, endpoints = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
+    try:
+        timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)
+        etcd = EtcdClient(endpoints, timeout=min(2.0, timing.renew_interval))
+        print(f"exaserve: rank {rank.rank} on {rank.node}: etcd {','.join(endpoints)}"
+              + (f" (member {member.spec.name} here)" if member else ""), flush=True)
+        return Candidate(site, job, rank, jobdir, inventories, args, etcd).run()
+    finally:
+        if member is not None:
+            member.stop()
+

@@ -1,0 +1,94 @@
+"""`exaserve launch` with `ha.etcd` on three ranks of this machine (srun's variables set by hand, a real
+3-member etcd named as a centre's `endpoints`): rank 0 leads; SIGKILL it (its whole process group, its
+node's agent and replicas with it) and a standby leads within two lease periods, publishes itself in
+controller.json, restores the fleet state from etcd, and the surviving agents re-register with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_harness import write_local_site
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.process
+TTL = 2.0
+NODES = ["nodea", "nodeb", "nodec"]
+
+
+def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_JOB_ID": "ha1", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
+           "SLURMD_NODENAME": NODES[rank]}
+    return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
+                             "--job-dir", str(job_dir), "--port", "0", "--no-curve"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def status(job_dir: Path) -> dict:
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
+                             str(job_dir)], capture_output=True, text=True, timeout=30)
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def controller(job_dir: Path) -> dict:
+    try:
+        return json.loads((job_dir / "controller.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
+    endpoints = [m.spec.client_url for m in etcd_cluster]
+    site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(tmp_path / "shm")},
+                                 cluster={"nodes": 3, "nodelist": "nodea,nodeb,nodec"},
+                                 heartbeat={"controller_timeout": "30s"}, model={"replicas": 3},
+                                 ha={"etcd": {"endpoints": endpoints}, "lease_ttl": f"{TTL:g}s",
+                                     "state_interval": "0.5s"})
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / f"rank{r}.log" for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    try:
+        first = wait_for(lambda: (lambda s: s if sum(r["state"] == "serving" for r in s.get("replicas", [])) >= 3
+                                  else None)(status(job_dir)), 120, "three serving replicas")
+        assert "leads" in logs[0].read_text(), output()
+        old = controller(job_dir)["endpoint"]
+        placed = {r["replica_id"]: r["node"] for r in first["replicas"]}
+        time.sleep(1.5)  # the leader's writer has put the fleet state in etcd
+        os.killpg(ranks[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: controller(job_dir).get("endpoint") not in ("", None, old), 60,
+                 "a new leader in controller.json")
+        published = time.monotonic() - killed
+        new_log = next(p for p in logs[1:] if "leads" in p.read_text())
+        after = wait_for(lambda: (lambda s: s if {a["agent_id"] for a in s.get("agents", [])
+                                                   if a["state"] == "alive"} >= {"nodeb", "nodec"} else None)(
+                             status(job_dir)), 60, "the survivors' agents at the new leader")
+        registered = time.monotonic() - killed
+        print(f"\nfailover under launch: new leader published {published:.2f}s after the kill, both surviving "
+              f"agents registered {registered:.2f}s after (lease TTL {TTL:g}s); leader {new_log.stem}")
+        text = new_log.read_text()
+        assert "restored the fleet state from etcd" in text, output()
+        assert published <= 2 * TTL + 3.0, output()  # two lease periods, plus building the plane
+        known = {r["replica_id"] for r in after["replicas"]}
+        assert set(placed) <= known, output()
+        # a survivor's replica is kept where it runs (same process), not restarted by the new leader
+        kept = {r["replica_id"]: r["pid"] for r in first["replicas"] if r["node"] in ("nodeb", "nodec")}
+        assert kept, first["replicas"]
+        wait_for(lambda: all(any(r["replica_id"] == rid and r["pid"] == pid and r["state"] == "serving"
+                                 for r in status(job_dir).get("replicas", [])) for rid, pid in kept.items()),
+                 30, "the survivors' replicas adopted, serving, same pids")
+    finally:
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
