@@ -86,6 +86,8 @@ class RouterGroup:
         # Routers of other ranks register after the group is made: called before the endpoints are read
         # (a replica started must connect to every router there is) and before each snapshot.
         self.discover: Callable[[], None] = lambda: None
+        for member in self.members[1:]:
+            self._wire(member)
 
     # ---------------------------------------------------------------- endpoints
 
@@ -114,6 +116,12 @@ class RouterGroup:
         with self._lock:
             self.members.append(member)
             self.gateways.append(gateway)
+        self._wire(member)
+
+    def _wire(self, member) -> None:
+        from .router_link import RemoteRouter
+        if isinstance(member, RemoteRouter):  # a router of another rank follows router 0's canary rollouts
+            member.rollouts = lambda: self.members[0].snapshot().get("rollouts")
 
     @property
     def dispatcher(self):

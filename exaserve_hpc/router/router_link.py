@@ -14,6 +14,10 @@ with its snapshot's counters and per-replica outstanding requests, which RouterG
 Commands are fire-and-forget: a router that is gone (its node lost) misses them, and a router that
 comes back has forgotten every replica anyway. `alive` is False once no report came for
 REPORT_MISSES intervals; the group then leaves that router out of the sums.
+
+Canary rollouts: the admin API changes router 0's table (and those of routers in the same process);
+each report request carries that table, and a remote router takes it when it differs from its own,
+so a rollout reaches every router within REPORT_INTERVAL.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class RouterCommand(msgspec.Struct, tag="router_command"):
     op: Literal["lost", "drain", "report"]
     replica_id: str = ""
     cause: str = ""
+    # with "report": router 0's rollout table (canary.Rollout.as_dict each), which this router then follows
+    rollouts: Optional[list[dict]] = None
 
 
 class RouterReport(msgspec.Struct, tag="router_report"):
@@ -107,8 +113,19 @@ class RouterControl:
             elif command.op == "drain":
                 self.router.drain(command.replica_id)
             else:
+                if command.rollouts is not None:
+                    self.router.call(lambda d, table=command.rollouts: follow_rollouts(d.rollouts, table))
                 report = RouterReport(snapshot=summary(self.router.snapshot()))
                 self.socket.send_multipart([peer, _encoder.encode(report)])
+
+
+def follow_rollouts(table, rollouts: list[dict]) -> None:
+    """Make a RolloutTable hold exactly `rollouts` (router 0's, as Rollout.as_dict gives them)."""
+    from .canary import Rollout
+    wanted = {r["model"]: Rollout(**r) for r in rollouts}
+    if wanted != table.rollouts:
+        table.rollouts = wanted
+        log.info("rollouts now %s", [r.as_dict() for r in wanted.values()])
 
 
 class RemoteRouter:
@@ -126,6 +143,7 @@ class RemoteRouter:
         self._snapshot: dict = {}
         self._reported_at: Optional[float] = None
         self._started_at = clock()
+        self.rollouts: Callable[[], Optional[list[dict]]] = lambda: None  # router 0's table (RouterGroup sets it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"exaserve-router-link-{info.get('rank')}",
                                         daemon=True)
@@ -171,7 +189,7 @@ class RemoteRouter:
                     self._send(sock, self._commands.popleft())
                 now = self.clock()
                 if now >= next_report:
-                    self._send(sock, RouterCommand(op="report"))
+                    self._send(sock, RouterCommand(op="report", rollouts=self.rollouts()))
                     next_report = now + REPORT_INTERVAL
                 if sock.poll(POLL_MS):
                     self._receive(sock)

@@ -82,6 +82,10 @@ def test_a_remote_router_takes_the_controllers_news_and_reports_its_counts(conte
                                       and r["replicas"] == 0], 10, "the group's table")
             assert table[0]["state"] == "serving" and table[0]["backend"] == router.backend_endpoint
             assert group.backend_endpoints[1] == router.backend_endpoint
+            # a canary rollout started through the admin API (router 0's table) reaches the other rank's router
+            group.call(lambda d: d.rollouts.start("m", "v2", 0.25, stable="v1")).result(5)
+            wait_for(lambda: router.snapshot()["rollouts"] == [{"model": "m", "stable": "v1", "canary": "v2",
+                                                                 "weight": 0.25}], 10, "the rollout on router 1")
         finally:
             group.members[0].stop()
         control.stop()  # the router rank is gone: the link notices within REPORT_MISSES intervals
