@@ -48,6 +48,8 @@ class SharedGpus:
     work_s: float = 0.0  # GPU-seconds of uncontended step work (a step's seconds x its GPUs)
 
     def factor(self, gpus: tuple) -> int:
+        if len(gpus) == 1:  # most replicas: no generator
+            return self.busy.get(gpus[0], 0) or 1
         return max((self.busy.get(g, 0) for g in gpus), default=1) or 1
 
     def mark(self, gpus: tuple, delta: int) -> None:

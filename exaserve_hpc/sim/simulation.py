@@ -186,7 +186,7 @@ class Simulation:
     def _arrive(self, now: float, it, request) -> None:
         nxt = next(it, None)
         if nxt is not None:
-            self.later(nxt.arrival, self._arrive, it, nxt)
+            self.later(nxt.arrival + self.t0, self._arrive, it, nxt)  # arrivals count from the start
         if request.prompt + request.max_tokens > self._max_seq[request.model]:
             self.too_long += 1  # the gateway refuses it (400) before the router sees it: not accepted
             return
@@ -311,10 +311,10 @@ class Simulation:
         # take SimAgent.load_seconds); otherwise the autoscaler would scale the idle fleet down first.
         start = self.warm_until + 2.0
         self.t0 = start
-        it = _Shifted(arrivals(self.workload, self.duration, seed=self.seed), start)
+        it = arrivals(self.workload, self.duration, seed=self.seed)
         first = next(it, None)
         if first is not None:
-            self.later(first.arrival, self._arrive, it, first)
+            self.later(first.arrival + start, self._arrive, it, first)
         for fault in self.workload.faults:
             self.later(start + fault.at, self._fault, fault)
         self.later(0.5, self._heartbeats)
@@ -355,16 +355,3 @@ class Simulation:
             "static": self.static,
         }
 
-
-class _Shifted:
-    """The workload's arrival iterator with every arrival moved by the start-up time."""
-
-    def __init__(self, it, offset: float):
-        self.it, self.offset = it, offset
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        r = next(self.it)
-        return type(r)(r.arrival + self.offset, r.model, r.prompt, r.max_tokens, r.blocks, r.block_tokens)

@@ -32,14 +32,16 @@ chained (two prompts share block k only if they share blocks 0..k), as the trace
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import json
 import math
 import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import yaml
 
@@ -64,8 +66,7 @@ class WorkloadError(ValueError):
     """A workload file that cannot be used; the message names the key."""
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):  # a tuple: made once per request, and merged by arrival (its first field)
     arrival: float
     model: str
     prompt: int
@@ -108,6 +109,17 @@ class Stream:
             if at <= t < at + duration:
                 r *= factor
         return r
+
+    def bound(self, start: float, end: float) -> float:
+        """An upper bound of rate_at over [start, end): the swing is a cosine, so its value at the larger end,
+        or 1 where a peak ((k + 1/2) periods) lies inside; overlapping bursts count at their factor."""
+        swing = 1.0
+        if self.trough < 1:
+            k = math.floor(start / self.period - 0.5) + 0.5
+            if not any(start <= (k + j) * self.period < end for j in (0, 1)):
+                swing = max(0.5 * (1 - math.cos(2 * math.pi * x / self.period)) for x in (start, end))
+        factor = max([1.0] + [f for at, d, f in self.bursts if at < end and start < at + d])
+        return self.qps * (self.trough + (1 - self.trough) * swing) * factor * (1 + 1e-9)
 
 
 @dataclass
@@ -209,47 +221,40 @@ def _lognormal(rng: random.Random, spec: dict) -> int:
 
 
 def synthetic(stream: Stream, index: int, duration: float, seed: int) -> Iterator[Request]:
-    """Poisson arrivals at stream.rate_at(t), by thinning against the peak rate."""
+    """Poisson arrivals at stream.rate_at(t), by thinning against the rate's bound over each second (not the
+    peak over the whole run: in a diurnal trough that rejected most candidates, a rate_at call each)."""
     rng = random.Random(seed * 1000 + index)
-    peak = stream.qps * max([1.0] + [f for _, _, f in stream.bursts])
     b = stream.block_tokens
     sys_blocks = stream.system_tokens // b
-    weights = [1 / (g + 1) ** stream.zipf for g in range(stream.groups)]
-    cum = []
-    acc = 0.0
-    for w in weights:
-        acc += w
-        cum.append(acc)
+    cum = list(itertools.accumulate(1 / (g + 1) ** stream.zipf for g in range(stream.groups)))
+    acc = cum[-1] if cum else 0.0
     base = (index + 1) << 40  # block ids unique to this stream
-    unique = 0
-    t = 0.0
-    while True:
-        t += rng.expovariate(peak)
-        if t >= duration:
-            return
-        if rng.random() * peak > stream.rate_at(t):
-            continue
-        prompt, out = _lognormal(rng, stream.input_tokens), _lognormal(rng, stream.output_tokens)
-        blocks: list[int] = []
-        if stream.groups:
-            g = min(stream.groups - 1, _bisect(cum, rng.random() * acc))
-            prompt = max(prompt, stream.system_tokens + 1)  # the system prompt, then the user's part
-            blocks = [base + (g << 20) + k for k in range(sys_blocks)]
-        for _ in range(prompt // b - len(blocks)):
-            unique += 1
-            blocks.append(base + (1 << 36) + unique)
-        yield Request(t, stream.model, prompt, out, tuple(blocks), b)
-
-
-def _bisect(cum: list[float], x: float) -> int:
-    lo, hi = 0, len(cum)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cum[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    unique = base + (1 << 36)
+    rate_at, expo, uniform, lognormal = stream.rate_at, rng.expovariate, rng.random, _lognormal
+    window, t = 0.0, 0.0
+    while window < duration:
+        end = min(window + 1.0, duration)
+        bound = stream.bound(window, end)
+        while bound > 0:
+            t += expo(bound)
+            if t >= end:
+                break
+            if uniform() * bound > rate_at(t):
+                continue
+            prompt, out = lognormal(rng, stream.input_tokens), lognormal(rng, stream.output_tokens)
+            if stream.groups:
+                g = min(stream.groups - 1, bisect.bisect_left(cum, uniform() * acc))
+                prompt = max(prompt, stream.system_tokens + 1)  # the system prompt, then the user's part
+                first = base + (g << 20)
+                blocks = [*range(first, first + sys_blocks)]
+            else:
+                blocks = []
+            n = prompt // b - len(blocks)
+            if n > 0:
+                blocks += range(unique + 1, unique + n + 1)
+                unique += n
+            yield Request(t, stream.model, prompt, out, tuple(blocks), b)
+        window = t = end  # memoryless: the next window's arrivals start afresh at its start
 
 
 def read_trace(path: str) -> list[tuple[float, int, int, tuple]]:
@@ -285,7 +290,7 @@ def arrivals(workload: Workload, duration: float, seed: int = 0) -> Iterator[Req
     """Every stream's requests merged in arrival order."""
     its = [synthetic(s, k, duration, seed) if s.kind == "synthetic" else trace(s, k, duration)
            for k, s in enumerate(workload.streams)]
-    return heapq.merge(*its, key=lambda r: r.arrival)
+    return heapq.merge(*its)  # tuples: by arrival, then the other fields (a tie is rare)
 
 
 def workload_from_args(args, console) -> Optional[Workload]:
