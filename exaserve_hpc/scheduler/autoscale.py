@@ -15,9 +15,13 @@ Policy:
   load decision: no cooldown);
 - replicas still starting: no scale-down (the serving count is not settled,
   e.g. mid-failover, and a removal now could undo the start under way);
-- cooldown: a reversal (up after down, or down after up) waits
-  cooldown_period after the last scaling in the other direction, so there
-  is at most one direction change per cooldown_period.
+- cooldown: a scale-down waits cooldown_period after the last scale-up, and
+  goes no lower than the most replicas the load asked for over the last
+  cooldown_period (the window's peak, so a trough's lull does not cut the
+  fleet the next ramp needs); a scale-up never waits: a scale-down that
+  proved too deep is undone at once, not after a cooldown while queues grow
+  (replicas take tens of seconds to serve). Flapping stays bounded: after
+  any scale-up, a cooldown_period passes before the next scale-down.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class ScaleDecision:
     target: int
     load: float
     reason: str
+    wanted: int = 0  # replicas this tick's load asks for (the middle of the band); kept for the window's peak
 
     @property
     def delta(self) -> int:
@@ -97,20 +102,30 @@ class ScaleDecision:
 
 @dataclass(frozen=True)
 class ScalingHistory:
-    """model -> {direction: time of the last scaling in that direction}."""
+    """model -> {direction: time of the last scaling in that direction}; and model -> the replicas the load
+    asked for lately, as (time, wanted) with wanted strictly falling (a sliding-window maximum: the first
+    entry still inside the window is its peak)."""
     last: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    asked: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
     def last_at(self, model: str, direction: int) -> float | None:
         return self.last.get(model, {}).get(direction)
 
-    def record(self, decisions: Iterable[ScaleDecision], now: float) -> "ScalingHistory":
+    def peak_since(self, model: str, since: float) -> int:
+        """The most replicas the load asked for at or after `since` (0: nothing recorded)."""
+        return next((w for t, w in self.asked.get(model, ()) if t >= since), 0)
+
+    def record(self, decisions: Iterable[ScaleDecision], now: float, window: float = math.inf) -> "ScalingHistory":
+        decisions = list(decisions)
+        asked = dict(self.asked)
+        for d in decisions:
+            kept = tuple(e for e in asked.get(d.model, ()) if e[0] >= now - window and e[1] > d.wanted)
+            asked[d.model] = kept + ((now, d.wanted),)
         changed = {d.model: d.direction for d in decisions if d.direction != HOLD}
-        if not changed:
-            return self
         last = dict(self.last)
         for model, direction in changed.items():
             last[model] = {**last.get(model, {}), direction: now}
-        return ScalingHistory(last)
+        return ScalingHistory(last, asked)
 
 
 def _wanted(load: ModelLoad, target_load: float) -> int:
@@ -122,38 +137,42 @@ def decide(load: ModelLoad, policy: AutoscalePolicy, history: ScalingHistory, no
     floor, n, x = policy.floor(load.model), load.replicas, load.load
     up, down = policy.scale_up_threshold, policy.scale_down_threshold
 
+    wanted = _wanted(load, policy.target_load)
+
     def hold(reason: str) -> ScaleDecision:
-        return ScaleDecision(load.model, n, n, x, f"hold: {reason}")
+        return ScaleDecision(load.model, n, n, x, f"hold: {reason}", wanted)
 
     if n < floor:
-        target = max(floor, _wanted(load, policy.target_load)) if x > up else floor
-        return ScaleDecision(load.model, n, target, x, f"below min_replicas: {n} < {floor}, {n} -> {target}")
+        target = max(floor, wanted) if x > up else floor
+        return ScaleDecision(load.model, n, target, x, f"below min_replicas: {n} < {floor}, {n} -> {target}", wanted)
     if x > up:
-        direction, target = UP, max(n + 1, _wanted(load, policy.target_load))
-        label = f"load {x:.2f} > scale_up_threshold {up}"
-    elif x < down:
-        target = max(floor, min(n - 1, _wanted(load, policy.target_load)))
-        if target >= n:
-            return hold(f"load {x:.2f} < scale_down_threshold {down} but at min_replicas {floor}")
-        if load.starting:
-            return hold(f"load {x:.2f} < scale_down_threshold {down} but {load.starting} replica(s) still starting")
-        direction, label = DOWN, f"load {x:.2f} < scale_down_threshold {down}"
-    else:
+        target = max(n + 1, wanted)
+        return ScaleDecision(load.model, n, target, x, f"load {x:.2f} > scale_up_threshold {up}: {n} -> {target} "
+                                                       f"replicas for load ~{policy.target_load:.2f}", wanted)
+    if x >= down:
         return hold(f"load {x:.2f} within [{down}, {up}]")
-    opposite = history.last_at(load.model, -direction)
-    if opposite is not None and now - opposite < policy.cooldown_period:
-        verb = "down" if direction == UP else "up"
-        wait = policy.cooldown_period - (now - opposite)
-        return hold(f"{label}, but cooldown: scaled {verb} {now - opposite:.0f}s ago, "
-                    f"reversing waits {wait:.0f}s more")
-    return ScaleDecision(load.model, n, target, x,
-                         f"{label}: {n} -> {target} replicas for load ~{policy.target_load:.2f}")
+    label = f"load {x:.2f} < scale_down_threshold {down}"
+    if max(floor, min(n - 1, wanted)) >= n:
+        return hold(f"{label} but at min_replicas {floor}")
+    if load.starting:
+        return hold(f"{label} but {load.starting} replica(s) still starting")
+    scaled_up = history.last_at(load.model, UP)
+    if scaled_up is not None and now - scaled_up < policy.cooldown_period:
+        wait = policy.cooldown_period - (now - scaled_up)
+        return hold(f"{label}, but cooldown: scaled up {now - scaled_up:.0f}s ago, scaling down waits {wait:.0f}s more")
+    peak = history.peak_since(load.model, now - policy.cooldown_period)
+    target = max(floor, min(n - 1, wanted), min(n, peak))
+    if target >= n:
+        return hold(f"{label}, but the last {policy.cooldown_period:.0f}s peaked at {peak} replicas' worth")
+    return ScaleDecision(load.model, n, target, x, f"{label}: {n} -> {target} replicas for load ~"
+                         f"{policy.target_load:.2f}" + (f" (the last {policy.cooldown_period:.0f}s' peak)"
+                                                        if peak > wanted else ""), wanted)
 
 
 def autoscale(loads: Iterable[ModelLoad], policy: AutoscalePolicy, history: ScalingHistory, now: float
               ) -> tuple[list[ScaleDecision], ScalingHistory]:
     decisions = [decide(load, policy, history, now) for load in loads]
-    return decisions, history.record(decisions, now)
+    return decisions, history.record(decisions, now, policy.cooldown_period)
 
 
 class Autoscaler:

@@ -53,31 +53,62 @@ def test_per_model_min_replicas():
     assert decide(load(3, 0, "big"), policy, ScalingHistory(), 0.0).target == 1
 
 
-def test_reversal_waits_for_cooldown_but_same_direction_does_not():
+def test_scale_down_waits_for_cooldown_after_a_scale_up():
     scaler = Autoscaler(POLICY)
     assert scaler.tick([load(10, 90)], now=0.0)[0].direction == 1
     assert scaler.tick([load(18, 150)], now=10.0)[0].direction == 1  # up again: allowed
     held = scaler.tick([load(28, 10)], now=60.0)[0]
-    assert held.delta == 0 and "cooldown: scaled up 50s ago, reversing waits 70s more" in held.reason
-    assert scaler.tick([load(28, 10)], now=130.0)[0].direction == -1  # 120 s after the last up
+    assert held.delta == 0 and "cooldown: scaled up 50s ago, scaling down waits 70s more" in held.reason
+    # 120 s after the last up, the 30 replicas it asked for still count (the window includes its edge)
+    assert scaler.tick([load(28, 10)], now=130.0)[0].delta == 0
+    assert scaler.tick([load(28, 10)], now=131.0)[0].target == 4
+
+
+def test_scale_up_never_waits_for_a_scale_down():
+    """A scale-down that proved too deep is undone at once: the load above the threshold is queueing."""
+    scaler = Autoscaler(POLICY)
+    assert scaler.tick([load(20, 10)], now=0.0)[0].target == 4  # nothing asked for more lately: to the floor
+    up = scaler.tick([load(4, 36)], now=5.0)[0]  # load 0.9, 5 s after the scale-down
+    assert up.direction == 1 and up.target == 8
+
+
+def test_scale_down_goes_no_lower_than_the_windows_peak():
+    """A lull inside a busy cooldown_period does not cut the fleet the load needed a moment ago."""
+    scaler = Autoscaler(POLICY)
+    steady = [scaler.tick([load(40, 200)], now=float(t))[0] for t in range(0, 200, 10)]  # 40 wanted: hold
+    assert all(d.delta == 0 for d in steady)
+    lull = scaler.tick([load(40, 20)], now=200.0)[0]  # load 0.05 would want 4
+    assert lull.delta == 0 and "peaked at 40" in lull.reason
+    scaler.tick([load(40, 100)], now=250.0)  # 20 wanted
+    d = scaler.tick([load(40, 20)], now=320.0)[0]  # the 40s are 120 s old; 20 (at 250 s) is the window's peak
+    assert d.target == 20 and "peak" in d.reason
+    d = scaler.tick([load(20, 10)], now=380.0)[0]  # 250 s is past the window: down to what is asked now
+    assert d.target == 4
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 40)), min_size=2, max_size=40))
-def test_at_most_one_direction_change_per_cooldown(steps):
+def test_scale_downs_respect_the_cooldown_and_the_window(steps):
+    """Every scale-down comes a cooldown_period after the last scale-up and keeps at least the most
+    replicas any tick of the last cooldown_period asked for; scale-ups are never held back."""
     scaler = Autoscaler(POLICY)
-    replicas, now, changes = 5, 0.0, []
-    last_direction = 0
+    replicas, now, asked, last_up = 5, 0.0, [], -math.inf
     for dt, queue_per in steps:
         now += dt * 20
-        d = scaler.tick([load(replicas, queue_per * replicas / 4)], now)[0]
+        current = load(replicas, queue_per * replicas / 4)
+        d = scaler.tick([current], now)[0]
+        wanted = math.ceil(current.queue_depth / (10 * POLICY.target_load) - 1e-9)
         assert d.target >= 4 or d.target >= d.current
-        if d.direction and d.direction != last_direction and last_direction:
-            changes.append(now)
-        if d.direction:
-            last_direction = d.direction
+        if current.load > POLICY.scale_up_threshold:
+            assert d.direction == 1
+        if d.direction == -1:
+            assert now - last_up >= POLICY.cooldown_period
+            window = [w for t, w in asked if t >= now - POLICY.cooldown_period]
+            assert d.target >= max(window + [wanted, 4])
+        if d.direction == 1:
+            last_up = now
+        asked.append((now, wanted))
         replicas = d.target
-    assert all(b - a >= POLICY.cooldown_period for a, b in zip(changes, changes[1:]))
 
 
 def test_tick_over_fifty_models_labels_every_decision():
