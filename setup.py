@@ -32,8 +32,9 @@ def compiled_extensions() -> list:
     except ImportError:  # a build without pyproject's requirements (setup.py run by hand): pure Python
         print("Cython not installed: the router's prefix index stays pure Python")
         return []
-    return cythonize([Extension("exaserve_hpc.router._prefix_index", ["exaserve_hpc/router/_prefix_index.pyx"],
-                                extra_compile_args=["-O3"], optional=True)],
+    return cythonize([Extension(f"exaserve_hpc.router.{name}", [f"exaserve_hpc/router/{name}.pyx"],
+                                extra_compile_args=["-O3"], optional=True)
+                      for name in ("_prefix_index", "_affinity_route")],
                      compiler_directives={"language_level": "3"}, quiet=True)
 
 

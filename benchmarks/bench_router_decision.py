@@ -199,7 +199,7 @@ def breakdown(d: Dispatcher, policy: PrefixAffinity, turns: list[list[int]], key
         peer = zr._recv_frame(router.backend, zr._NOBLOCK)
         reply = zr._recv_frame(router.backend, zr._NOBLOCK, False).buffer
         t7 = clock()
-        message = zr.decode(reply)
+        message = zr._backend_decode(reply)
         t8 = clock()
         back = d.on_replica_message(rid, message, 1.0)
         t9 = clock()

@@ -54,7 +54,12 @@ from .balancing import (  # noqa: F401 - Decision is re-exported: callers know i
     Decision, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, WeightSettings, mean_latency_ms,
 )
 from ..engine.kv_events import BlockStored
-from .prefix_index import EngineBlockHasher, FastBlockHasher, make_index
+from .prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex, make_index
+
+try:  # `route` compiled (same decisions); built with the compiled prefix index, absent where that is
+    from ._affinity_route import route as compiled_route
+except ImportError:  # not built: `route` below serves (prefix_index.make_index logs the missing build)
+    compiled_route = None
 
 log = logging.getLogger(__name__)
 APPROXIMATE, PRECISE = "approximate", "precise"
@@ -123,10 +128,14 @@ class PrefixAffinity(RoutingPolicy):
     def prompt_hasher(cls, router) -> "FastBlockHasher | EngineBlockHasher":
         return AffinitySettings.from_site(router).hasher()
 
-    def __init__(self, settings: Optional[AffinitySettings] = None, seed: Optional[int] = None, **overrides):
+    def __init__(self, settings: Optional[AffinitySettings] = None, seed: Optional[int] = None,
+                 compiled: bool = True, **overrides):
+        """``compiled=False``: the pure-Python index and `route` (the reference) even where the compiled
+        ones are built; else they serve where built (prefix_index.make_index, _affinity_route.pyx)."""
         self.settings = settings or AffinitySettings(**overrides)
         s = self.settings
-        self.index = make_index(max_blocks=s.index_blocks)  # compiled where built (prefix_index.py)
+        self.index = make_index(max_blocks=s.index_blocks, compiled=compiled)
+        self._compiled_route = compiled_route if compiled and not isinstance(self.index, PrefixIndex) else None
         self.hasher = s.hasher()
         self.balance = PowerOfTwo(s.weights, seed=seed)
         self._block_size_checked = False  # the engines' block size is checked once, on their first event
@@ -136,10 +145,12 @@ class PrefixAffinity(RoutingPolicy):
     def routing_key(self, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (),
                     scheme: str = "") -> RoutingKey:
         """The prompt's block hashes: ``hashes`` if the gateway computed them our way, else our own."""
-        n = len(prompt_token_ids)
-        if hashes and scheme == self.hasher.scheme and len(hashes) == self.hasher.blocks(n):
-            return RoutingKey(hashes, n, self.settings.block_size)
-        return RoutingKey(self.hasher(prompt_token_ids), n, self.settings.block_size)
+        n, hasher = len(prompt_token_ids), self.hasher
+        if hashes and scheme == hasher.scheme:
+            blocks = n // hasher.block_size  # hasher.blocks(n) without its call: once per request
+            if len(hashes) == (blocks if blocks < hasher.max_blocks else hasher.max_blocks):
+                return RoutingKey(hashes, n, self.settings.block_size)
+        return RoutingKey(hasher(prompt_token_ids), n, self.settings.block_size)
 
     @property
     def follows_kv_events(self) -> bool:
@@ -197,7 +208,10 @@ class PrefixAffinity(RoutingPolicy):
               key: Optional[RoutingKey] = None) -> Decision:
         # The hot path of every request: `cost` is called inline-free through a local, the
         # candidate list is built without intermediate lists (profiled: half of `route` was
-        # list/dict building and attribute lookups, not the policy).
+        # list/dict building and attribute lookups, not the policy). Compiled where built: this
+        # method is then the reference it is tested against, and serves plain candidate lists.
+        if self._compiled_route is not None and candidates.__class__ is ReplicaPool:
+            return self._compiled_route(self, candidates, exclude, key)
         s = self.settings
         matches: list[tuple[str, int]] = []
         pool = candidates if isinstance(candidates, ReplicaPool) else None
@@ -248,7 +262,6 @@ class PrefixAffinity(RoutingPolicy):
 
         Separate from `route` so the dispatcher can send the request first.
         """
-        if self.settings.mode == PRECISE:
-            return
-        if decision.replica_id is not None and key is not None and key.block_hashes:
+        if decision.replica_id is not None and key is not None and key.block_hashes \
+                and self.settings.mode != PRECISE:
             self.index.record(decision.replica_id, key.block_hashes, decision.matched_blocks)

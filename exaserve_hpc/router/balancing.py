@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..config import BatchingConfig, RouterConfig
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read on every routing decision
 class ReplicaLoad:
     replica_id: str
     model: str
@@ -45,7 +45,7 @@ class ReplicaLoad:
         return max(self.outstanding, self.queue_depth) / max(1, self.max_batch_size)
 
 
-@dataclass
+@dataclass(slots=True)
 class RoutingKey:
     """What a prefix-aware policy knows of a request's prompt."""
 
@@ -114,7 +114,7 @@ def mean_latency_ms(candidates: Sequence[ReplicaLoad]) -> float:
     return sum(c.latency_ewma_ms for c in candidates) / len(candidates) if candidates else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     """A routing choice; the policy's `commit` records it once the request is sent."""
 

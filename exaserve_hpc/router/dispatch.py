@@ -117,6 +117,14 @@ class Dispatcher:
         log.warning("unexpected %s from replica %s", type(message).__name__, replica_id)
         return []
 
+    def on_chunk(self, replica_id: str, chunk: TokenChunk, now: float) -> list[Outgoing]:
+        """`on_replica_message` for a TokenChunk (most replica messages), without its type tests."""
+        entry = self.replicas.get(replica_id)
+        if entry is None:
+            return []
+        entry.last_seen = now
+        return self._on_chunk(replica_id, chunk, now)
+
     def register(self, replica_id: str, hello: ReplicaHello, now: float) -> list[Outgoing]:
         if replica_id in self.replicas:  # it restarted under the same id: its cache is new
             self._unregister(replica_id)
@@ -292,21 +300,22 @@ class Dispatcher:
                 self.pending.append(request.request_id)
             return []
         replica = self.replicas[replica_id]
+        load, key, sent = replica.load, entry.key, len(entry.sent_tokens)
         entry.replica_id = replica_id
         entry.dispatched_at = now
         entry.first_token_at = 0.0
         entry.attempts += 1
         entry.tried.add(replica_id)
-        replica.load.outstanding += 1
-        block = entry.key.block_size if entry.key else 0
-        entry.prefill_estimate = max(0, entry.prompt_len + len(entry.sent_tokens) - matched * block)
-        replica.load.prefill_tokens += entry.prefill_estimate
-        entry.decode_estimate = request.max_tokens - len(entry.sent_tokens)
-        replica.load.decode_tokens += entry.decode_estimate  # for the token-aware least-load baseline
+        load.outstanding += 1
+        # Comparisons rather than max() here and in _release: this runs for every request.
+        prefill = entry.prompt_len + sent - (matched * key.block_size if key is not None else 0)
+        entry.prefill_estimate = prefill = prefill if prefill > 0 else 0
+        load.prefill_tokens += prefill
+        entry.decode_estimate = decode = request.max_tokens - sent
+        load.decode_tokens += decode  # for the token-aware least-load baseline
         if replica.breaker.state is BreakerState.HALF_OPEN:
             replica.breaker.on_dispatch()  # this request is the probe; no other until it answers
             self.unavailable.add(replica_id)
-        sent = len(entry.sent_tokens)
         if not sent and entry.raw is not None:
             return [Outgoing(REPLICA, replica_id.encode(), entry.raw)]  # as the gateway encoded it
         to_send = request if not sent and type(request) is GenerateRequest else GenerateRequest(
@@ -360,7 +369,8 @@ class Dispatcher:
         replica = self.replicas.get(entry.replica_id)
         if replica is None:
             return
-        replica.load.prefill_tokens = max(0, replica.load.prefill_tokens - entry.prefill_estimate)
+        left = replica.load.prefill_tokens - entry.prefill_estimate
+        replica.load.prefill_tokens = left if left > 0 else 0
         entry.prefill_estimate = 0
         if replica.breaker.state is not BreakerState.CLOSED or replica.breaker.consecutive_failures:
             replica.breaker.on_success()
@@ -424,9 +434,13 @@ class Dispatcher:
         replica = self.replicas.get(entry.replica_id)
         out = []
         if replica is not None:
-            replica.load.outstanding = max(0, replica.load.outstanding - 1)
-            replica.load.prefill_tokens = max(0, replica.load.prefill_tokens - entry.prefill_estimate)
-            replica.load.decode_tokens = max(0, replica.load.decode_tokens - entry.decode_estimate)
+            load = replica.load
+            left = load.outstanding - 1
+            load.outstanding = left if left > 0 else 0
+            left = load.prefill_tokens - entry.prefill_estimate
+            load.prefill_tokens = left if left > 0 else 0
+            left = load.decode_tokens - entry.decode_estimate
+            load.decode_tokens = left if left > 0 else 0
             if replica.breaker.probe_in_flight and not entry.first_token_at:
                 replica.breaker.probe_in_flight = False  # the probe ended without a verdict: allow another
                 if not replica.draining:

@@ -47,7 +47,7 @@ import msgspec
 import zmq
 
 from ..engine.kv_events import AllBlocksCleared, decode_batch
-from ..protocol import Abort, DecodeError, ReplicaHello, RequestError, decode, encode
+from ..protocol import Abort, DecodeError, Message, ReplicaHello, RequestError, TokenChunk
 from .dispatch import GATEWAY, Dispatcher, Outgoing, RoutedRequest
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,9 @@ _RCVMORE = int(zmq.RCVMORE)
 # Gateways' messages: a request's prompt stays encoded (RoutedRequest) and goes on to the replica in
 # the gateway's bytes; decoding and re-encoding 1,000 token ids was half the thread's time a request.
 _frontend_decoder = msgspec.msgpack.Decoder(Union[RoutedRequest, Abort])
+# protocol.decode/encode without their Python frames (a call each way per message on this thread).
+_backend_decode = msgspec.msgpack.Decoder(Message).decode
+_encode = msgspec.msgpack.Encoder().encode
 _PRE_ENCODED = (memoryview, bytes)
 
 
@@ -254,8 +257,10 @@ class ZmqRouter:
         return []
 
     def _on_backend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
-        message = decode(payload)
+        message = _backend_decode(payload)
         replica_id = peer.decode(errors="replace")
+        if message.__class__ is TokenChunk:  # most of what replicas send: straight to its handler
+            return self.dispatcher.on_chunk(replica_id, message, self.clock())
         if isinstance(message, ReplicaHello) and message.kv_events_endpoint and self.dispatcher.follows_kv_events:
             self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
         return self.dispatcher.on_replica_message(replica_id, message, self.clock())
@@ -317,7 +322,7 @@ class ZmqRouter:
             message = out.message
             try:
                 _send_frame(self.backend, out.peer, _MORE_NOBLOCK)
-                _send_frame(self.backend, message if message.__class__ in _PRE_ENCODED else encode(message), _NOBLOCK)
+                _send_frame(self.backend, message if message.__class__ in _PRE_ENCODED else _encode(message), _NOBLOCK)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     # The replica's socket is gone: move its requests now rather than at expiry.
@@ -339,7 +344,7 @@ class ZmqRouter:
             self._gateway_gone(peer, message, exc)
             return True
         # The identity frame went, so the payload goes too: libzmq takes a multipart message whole.
-        _send_frame(self.frontend, encode(message), _NOBLOCK)
+        _send_frame(self.frontend, _encode(message), _NOBLOCK)
         return True
 
     def _hold(self, peer: bytes, backlog: deque, message) -> None:
@@ -380,7 +385,7 @@ class ZmqRouter:
                     self._gateway_gone(peer, message, exc, len(backlog))
                     backlog.clear()
                     break
-                _send_frame(self.frontend, encode(message), _NOBLOCK)
+                _send_frame(self.frontend, _encode(message), _NOBLOCK)
                 backlog.popleft()
             if not backlog:
                 del self._backlogs[peer]

@@ -1,5 +1,5 @@
-"""The compiled prefix index (_prefix_index.pyx) against the pure-Python reference: the same operations
-through both, every result compared; and the fallback when the extension is absent."""
+"""The compiled prefix index (_prefix_index.pyx) and route (_affinity_route.pyx) against the pure-Python
+reference: the same operations through both, every result compared; and the fallback when they are absent."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from exaserve_hpc.router import prefix_index
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
+from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings
 from exaserve_hpc.router.prefix_index import CompiledPrefixIndex, PrefixIndex, make_index
 
 needs_compiled = pytest.mark.skipif(CompiledPrefixIndex is None, reason=f"extension not built: "
@@ -117,3 +118,46 @@ def test_policy_uses_the_compiled_index_when_built_and_falls_back_with_a_log_lin
     policy.index.record("r1", key.block_hashes)
     assert policy.index.match(key.block_hashes) == [("r1", 3)]
     assert type(make_index(compiled=False)) is PrefixIndex
+
+
+def _pool(rng: random.Random, n: int) -> ReplicaPool:
+    pool = ReplicaPool()
+    for i in range(n):
+        load = ReplicaLoad(f"r{i:03d}", "m", outstanding=rng.randrange(0, 12), max_batch_size=rng.choice([4, 8, 64]),
+                           queue_depth=rng.randrange(0, 12), kv_used=rng.choice([0.0, rng.random()]),
+                           prefill_tokens=rng.choice([0, rng.randrange(0, 20_000)]))
+        pool.add(load)
+        pool.set_latency(load, rng.choice([0.0, rng.uniform(5, 50)]))
+    return pool
+
+
+@needs_compiled
+@pytest.mark.parametrize("variant", [
+    {},  # the served defaults
+    {"pair_tokens": 0.002, "min_match_blocks": 3, "base_tokens": 0},  # attention term, a minimum match
+    {"matches": 1, "weights": WeightSettings(samples=2, explore=0.5, latency_cap=2.0)},  # the probe share
+])
+def test_compiled_route_makes_the_references_decisions(variant):
+    rng = random.Random(len(variant))
+    settings = AffinitySettings(block_size=4, index_blocks=400, **variant)  # small: generations rotate
+    fast, ref = PrefixAffinity(settings, seed=3), PrefixAffinity(settings, seed=3, compiled=False)
+    assert fast._compiled_route is not None and ref._compiled_route is None
+    pool = _pool(rng, 40)
+    systems = [[rng.randrange(1000) for _ in range(rng.choice([0, 8, 40]))] for _ in range(5)]
+    reasons = set()
+    for i in range(3000):
+        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))]
+        key = fast.routing_key(tokens) if rng.random() < 0.95 else None
+        exclude = set(rng.sample([c.replica_id for c in pool], rng.choice([0, 0, 3, 39, 40])))
+        got = [p.route(pool, exclude, key) for p in (fast, ref)]
+        assert got[0] == got[1], i
+        reasons.add(got[0].reason)
+        for p in (fast, ref):
+            p.commit(got[0], key)
+        load = rng.choice(pool.members)  # loads move between decisions
+        load.outstanding, load.prefill_tokens = rng.randrange(0, 12), rng.randrange(0, 5000)
+        if rng.random() < 0.01:
+            gone = rng.choice(pool.members).replica_id
+            for p in (fast, ref):
+                p.forget(gone)
+    assert {"affinity", "balance", "none"} <= reasons
