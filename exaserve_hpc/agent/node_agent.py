@@ -96,6 +96,7 @@ class NodeAgent:
         self.node_index = node_index
         self.heartbeat_interval = heartbeat_interval
         self.replicas: dict[str, ReplicaSlot] = {}
+        self._replacing: dict[str, StartReplica] = {}  # replica id -> its spec for new routers, started at its exit
         self.shutting_down = False
         self.shutdown_deadline = 0.0
         self.keep_l2 = keep_l2
@@ -229,6 +230,15 @@ class NodeAgent:
     def start(self, spec: StartReplica) -> None:
         existing = self.replicas.get(spec.replica_id)
         if existing is not None and not existing.finished:
+            if (existing.spec.router_backend, existing.spec.router_backends) != (spec.router_backend,
+                                                                                spec.router_backends):
+                # A new leader's routers (ha/): the running process cannot reach them. It drains and exits,
+                # and starts again here for them (_reap), as the same replica: no stop reaches the controller.
+                log.warning("replica %s runs for router %s, now asked for %s: restarting it", spec.replica_id,
+                            existing.spec.router_backend, spec.router_backend)
+                self._replacing[spec.replica_id] = spec
+                self.stop(spec.replica_id, drain_timeout=5.0)
+                return
             if not (spec.stage and existing.spec.stage and spec.stage.key != existing.spec.stage.key):
                 log.warning("replica %s is already here (%s)", spec.replica_id, existing.state.value)
                 # a new controller (a new leader, or one restored from a checkpoint) learns its state
@@ -386,6 +396,8 @@ class NodeAgent:
         slot.detail = detail
         log.info("replica %s %s -> %s after %.3fs %s", slot.replica_id, transition.old.value, new.value,
                  transition.seconds, detail)
+        if slot.replica_id in self._replacing:
+            return True  # its drain for new routers (start()) is not news: the replica starts again here
         self._send(ReplicaEvent(agent_id=self.agent_id, replica_id=slot.replica_id, state=new.value,
                                 detail=detail, seconds_in_previous_state=round(transition.seconds, 6)))
         return True
@@ -423,6 +435,7 @@ class NodeAgent:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        again: list[StartReplica] = []
         for slot in self.replicas.values():
             if slot.process is None or slot.exit_code is not None:
                 continue
@@ -434,6 +447,10 @@ class NodeAgent:
                 continue
             slot.exit_code = code
             self._read_status_pipes()  # pick up its last words before judging the exit
+            if slot.replica_id in self._replacing and not self.shutting_down:
+                self._release(slot)
+                again.append(self._replacing.pop(slot.replica_id))
+                continue
             if code == 0 and slot.stop_deadline and not slot.state.terminal:
                 self._move(slot, ReplicaState.STOPPED, "stopped on request")
             elif not slot.state.terminal:
@@ -441,6 +458,9 @@ class NodeAgent:
                 self._move(slot, ReplicaState.FAILED, f"{cause} while {slot.state.value}"
                            + (f": {slot.detail}" if slot.detail else ""))
             self._release(slot)
+        for spec in again:
+            self.replicas.pop(spec.replica_id, None)
+            self.start(spec)
 
     def _all_done(self, now: float) -> bool:
         if all(slot.finished for slot in self.replicas.values()):

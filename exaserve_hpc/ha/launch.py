@@ -249,6 +249,9 @@ class Candidate:
 def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                 inventories: list[NodeInventory], args: argparse.Namespace) -> int:
     """One rank of `exaserve launch` with `ha.etcd` set (launcher/rank.py)."""
+    if site.router.count > 1:  # every rank says so, so the whole step ends rather than half of it waiting
+        raise BootstrapError(f"ha.etcd with router.count {site.router.count}: several routers are not yet run "
+                             "under elected controllers; allowed: router.count 1 with ha.etcd, or ha.etcd unset")
     member, endpoints = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
     try:
         timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)
