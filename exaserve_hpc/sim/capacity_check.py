@@ -40,12 +40,15 @@ def workload_mix(workload: Workload, duration: float, seed: int = 0,
             for m, p in sorted(per.items())]
 
 
-def sized_site(site: SiteConfig, replicas: dict[str, int]) -> SiteConfig:
-    """The site with each model's replica count (and floor) set to `replicas`; models not named keep theirs."""
+def sized_site(site: SiteConfig, replicas: dict[str, int], floor: bool = True) -> SiteConfig:
+    """The site with each model's replica count (and, with `floor`, its min_replicas) set to `replicas`;
+    models not named keep theirs."""
     data = site.model_dump(mode="json", exclude_none=True)
     for m in data["models"]:
         if m["model_name"] in replicas:
-            m["replicas"] = m["min_replicas"] = replicas[m["model_name"]]
+            m["replicas"] = replicas[m["model_name"]]
+            if floor:
+                m["min_replicas"] = replicas[m["model_name"]]
     return parse_site(data)
 
 

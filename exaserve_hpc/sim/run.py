@@ -78,9 +78,18 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
     if workload is None:
         return 2
     runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
+    sites = {name: site for name in runs}
+    if args.size_by_capacity:
+        # Each model at what `exaserve capacity` answers for its own peak (30% headroom): the static
+        # allocation a centre would book for this workload; the dynamic run starts there and scales.
+        from .capacity_check import plan, sized_site
+        answer = {e.model: e.replicas for e in plan(site, workload)[1]}
+        console.print("sized by capacity: " + ", ".join(f"{m} {n}" for m, n in sorted(answer.items())),
+                      highlight=False)
+        sites = {name: sized_site(site, answer, floor=name == "static") for name in runs}
     results = {}
     for name in runs:
-        sim, summary, wall = simulate(site, workload, args.duration, static=name == "static", seed=args.seed,
+        sim, summary, wall = simulate(sites[name], workload, args.duration, static=name == "static", seed=args.seed,
                                       label=name, run_dir=Path(args.out) / "run" if args.out else None)
         results[name] = (sim, summary, wall)
         console.print(f"{name}: {summary['simulated_s']:.0f} s simulated in {wall:.1f} s wall "
@@ -110,4 +119,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser, site_help: str) -> N
     parser.add_argument("--out", help="write report.md, report.json and plots into this directory")
     parser.add_argument("--static", action="store_true", help="replicas fixed at the site's plan (no autoscaling)")
     parser.add_argument("--compare", action="store_true", help="run static, then dynamic, and compare utilisation")
+    parser.add_argument("--size-by-capacity", action="store_true",
+                        help="start each model at `exaserve capacity`'s answer for the workload (static: held there)")
     parser.add_argument("--seed", type=int, default=0)

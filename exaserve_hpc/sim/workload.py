@@ -10,6 +10,7 @@ The format (README, "Simulator"):
         kind: synthetic            # Poisson arrivals
         qps: 400                   # peak requests/s
         diurnal: {period: 1h, trough: 0.3}   # rate = qps x (trough .. 1 .. trough) over a period
+                                   # peak_at: 15m moves the peak (default: half a period)
         bursts: [{at: 20m, duration: 2m, factor: 2}]
         input_tokens: {mean: 600, sigma: 0.6, max: 8000}    # lognormal
         output_tokens: {mean: 150, sigma: 0.5, max: 1024}
@@ -91,6 +92,7 @@ class Stream:
     qps: float = 0.0
     trough: float = 1.0
     period: float = 3600.0
+    peak_at: Optional[float] = None  # when the swing peaks (again every period); None: half a period
     bursts: list = field(default_factory=list)  # (at, duration, factor)
     input_tokens: dict = field(default_factory=lambda: {"mean": 600, "sigma": 0.6, "max": 8000})
     output_tokens: dict = field(default_factory=lambda: {"mean": 150, "sigma": 0.5, "max": 1024})
@@ -103,21 +105,29 @@ class Stream:
 
     def rate_at(self, t: float) -> float:
         """Requests/s at time t (synthetic streams)."""
-        swing = 0.5 * (1 - math.cos(2 * math.pi * t / self.period)) if self.trough < 1 else 1.0
+        swing = self._swing(t) if self.trough < 1 else 1.0
         r = self.qps * (self.trough + (1 - self.trough) * swing)
         for at, duration, factor in self.bursts:
             if at <= t < at + duration:
                 r *= factor
         return r
 
+    @property
+    def peak(self) -> float:
+        return self.period / 2 if self.peak_at is None else self.peak_at
+
+    def _swing(self, t: float) -> float:
+        """0 in the trough .. 1 at the peak, a cosine over the period."""
+        return 0.5 * (1 + math.cos(2 * math.pi * (t - self.peak) / self.period))
+
     def bound(self, start: float, end: float) -> float:
         """An upper bound of rate_at over [start, end): the swing is a cosine, so its value at the larger end,
-        or 1 where a peak ((k + 1/2) periods) lies inside; overlapping bursts count at their factor."""
+        or 1 where a peak (peak_at + k periods) lies inside; overlapping bursts count at their factor."""
         swing = 1.0
         if self.trough < 1:
-            k = math.floor(start / self.period - 0.5) + 0.5
-            if not any(start <= (k + j) * self.period < end for j in (0, 1)):
-                swing = max(0.5 * (1 - math.cos(2 * math.pi * x / self.period)) for x in (start, end))
+            k = math.floor((start - self.peak) / self.period)
+            if not any(start <= self.peak + (k + j) * self.period < end for j in (0, 1)):
+                swing = max(self._swing(start), self._swing(end))
         factor = max([1.0] + [f for at, d, f in self.bursts if at < end and start < at + d])
         return self.qps * (self.trough + (1 - self.trough) * swing) * factor * (1 + 1e-9)
 
@@ -163,6 +173,7 @@ def parse_workload(data: dict, name: str = "workload") -> Workload:
         stream = Stream(
             model=s["model"], kind=kind, qps=float(s.get("qps", 0.0)), trough=float(diurnal.get("trough", 1.0)),
             period=_duration(diurnal.get("period", "1h"), f"{where}.diurnal.period"),
+            peak_at=_duration(diurnal["peak_at"], f"{where}.diurnal.peak_at") if "peak_at" in diurnal else None,
             bursts=[(_duration(b["at"], f"{where}.bursts.at"), _duration(b["duration"], f"{where}.bursts.duration"),
                      float(b.get("factor", 2.0))) for b in s.get("bursts", [])],
             input_tokens={"mean": 600, "sigma": 0.6, "max": 8000, **(s.get("input_tokens") or {})},

@@ -134,3 +134,23 @@ def test_fault_group_and_controller_node_loss_requeue_decision():
     assert s["requeue"]["reason"] == "controller-node-lost" and "gpu01" in s["requeue"]["exclude"]
     live = [r for r in sim.ctl.replicas.values() if r.assignment is not None]
     assert not any(set(r.assignment.nodes) & set(s["nodes_lost"]) for r in live)  # every replica re-placed
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_every_accepted_request_completes_through_exa256s_faults_at_small_scale(static):
+    """bench_simulator's exa256 faults (a slow node, a node, a whole fault group, then the controller's node)
+    on small16 under load: requests in flight on the lost nodes are retried by the real dispatcher, none
+    is lost or failed; dynamic adds the autoscaler's scale-downs (drains) on top."""
+    wl = parse_workload({"duration": "60s", "streams": [
+        {"model": "llama-3.1-8b-instruct", "qps": 150, "prefix_groups": {"count": 50, "system_tokens": 256},
+         "output_tokens": {"mean": 150, "sigma": 0.6, "max": 1024}},
+        {"model": "mistral-7b-instruct", "qps": 60}],
+        "faults": [{"at": "5s", "kind": "slow_node", "node": "gpu03", "factor": 3},
+                   {"at": "10s", "kind": "node_loss", "node": "gpu06"},
+                   {"at": "20s", "kind": "fault_group_loss", "group": "rack02"},
+                   {"at": "40s", "kind": "controller_node_loss"}]})
+    sim = Simulation(small_site(), wl, static=static)
+    s = sim.run()
+    assert s["accepted"] > 10_000 and s["retries"] > 50  # the lost nodes held requests, which moved
+    assert s["lost"] == 0 and s["failed"] == 0 and s["completed"] == s["accepted"], s["errors"]
+    assert set(s["nodes_lost"]) == {"gpu01", "gpu06", "gpu09", "gpu10", "gpu11", "gpu12"}

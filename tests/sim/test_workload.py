@@ -50,3 +50,21 @@ def test_capacity_for_a_mix_counts_gpu_sharing_and_headroom():
     assert shared.replicas >= 500 * 1.3 / shared.requests_per_s_per_replica
     with pytest.raises(ValueError, match="does not serve"):
         replicas_for_mix(specs, [RequestMix("nope", 1, 1, 1)], {})
+
+
+def test_peak_at_moves_the_swing_and_arrivals_follow_the_rate():
+    """Two streams half a period apart; each second's arrivals thinned against that second's bound keep the
+    Poisson rate (the count over the period is the rate's integral)."""
+    wl = parse_workload({"streams": [
+        {"model": "a", "qps": 50, "diurnal": {"period": "20m", "trough": 0.1, "peak_at": "5m"}},
+        {"model": "b", "qps": 50, "diurnal": {"period": "20m", "trough": 0.1, "peak_at": "15m"}}]})
+    per_minute = {"a": [0] * 20, "b": [0] * 20}
+    for r in arrivals(wl, 1200):
+        per_minute[r.model][int(r.arrival // 60)] += 1
+    a, b = per_minute["a"], per_minute["b"]
+    assert a.index(max(a)) in (3, 4, 5) and b.index(max(b)) in (13, 14, 15)
+    assert a[15] < 0.3 * a[5] and b[5] < 0.3 * b[15]
+    expected = sum(wl.streams[0].rate_at(t + 0.5) for t in range(1200))
+    assert sum(a) == pytest.approx(expected, rel=0.03)
+    s = wl.streams[0]
+    assert all(s.bound(t / 10, t / 10 + 1) >= s.rate_at(t / 10 + k / 20) for t in range(0, 12000, 7) for k in range(20))
