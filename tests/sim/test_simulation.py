@@ -154,3 +154,40 @@ def test_every_accepted_request_completes_through_exa256s_faults_at_small_scale(
     assert s["accepted"] > 10_000 and s["retries"] > 50  # the lost nodes held requests, which moved
     assert s["lost"] == 0 and s["failed"] == 0 and s["completed"] == s["accepted"], s["errors"]
     assert set(s["nodes_lost"]) == {"gpu01", "gpu06", "gpu09", "gpu10", "gpu11", "gpu12"}
+
+
+def test_changing_the_spread_rule_changes_the_simulation(monkeypatch):
+    """The simulator places with the controller's own Placer: a patched group order (pack a model into the
+    group already holding most of it, instead of spreading it) shows in where the replicas run and in how
+    many of them the loss of that fault group takes down."""
+    from exaserve_hpc.scheduler import placement
+    model = "llama-3.1-8b-instruct"
+
+    def run():
+        """Replicas of the model in its fullest fault group, and how many serving the loss of that group cost."""
+        quiet = parse_workload({"duration": "5s", "streams": [{"model": model, "qps": 5}]})
+        sim = Simulation(small_site(), quiet, static=True)
+        sim.run()
+        groups = sim.ctl.fleet.group_of()
+        per_group = {}
+        for r in sim.ctl.replicas.values():
+            if r.model == model and r.agent_id:
+                per_group[groups[r.agent_id]] = per_group.get(groups[r.agent_id], 0) + 1
+        fullest = max(per_group, key=per_group.get)
+        wl = parse_workload({"duration": "30s", "streams": [{"model": model, "qps": 20}],
+                             "faults": [{"at": "10s", "kind": "fault_group_loss", "group": fullest}]})
+        sim = Simulation(small_site(), wl, static=True)
+        s = sim.run()
+        assert s["lost"] == 0
+        serving = [x.replicas[model] for x in sim.rec.samples]
+        return per_group[fullest], serving[0] - min(serving)
+
+    assert run() == (32, 32)  # 128 replicas spread over 4 groups: a group's loss costs its share
+    spread = placement.Placer._group_key
+
+    def pack(self, model, g):
+        key = spread(self, model, g)
+        return (-key[0],) + key[1:]
+    monkeypatch.setattr(placement.Placer, "_group_key", pack)
+    held, cost = run()
+    assert held > 40 and cost == held, (held, cost)
