@@ -104,3 +104,16 @@ def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
         for r in ranks:
             if r.poll() is None:
                 os.killpg(r.pid, signal.SIGKILL)
+
+
+def test_more_routers_than_nodes_is_refused_naming_the_setting():
+    from exaserve_hpc.config import SiteConfig
+    from exaserve_hpc.control_plane import ControlPlaneError
+    from exaserve_hpc.launcher.router_rank import check_router_count
+
+    site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 4, "nodelist": "n[1-4]"},
+                                      "router": {"count": 3},
+                                      "models": [{"model_name": "echo", "engine": "echo", "max_seq_len": 64}]})
+    check_router_count(site, 3)
+    with pytest.raises(ControlPlaneError, match=r"router.count is 3 but the job has 2 node\(s\); allowed: 1 to 2"):
+        check_router_count(site, 2)
