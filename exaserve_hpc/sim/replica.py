@@ -46,6 +46,9 @@ class SharedGpus:
     """Busy replicas per GPU (node, index) and the work done, for contention and utilisation."""
     busy: dict = field(default_factory=dict)
     work_s: float = 0.0  # GPU-seconds of uncontended step work (a step's seconds x its GPUs)
+    # the same weighted by how full each step's batch was (sequences / max_batch): busy time counts a step
+    # of one sequence as fully as one of a full batch; this does not
+    slot_s: float = 0.0
 
     def factor(self, gpus: tuple) -> int:
         if len(gpus) == 1:  # most replicas: no generator
@@ -92,14 +95,16 @@ class SimReplica:
         self.waiting.append(seq)
         if not self.busy:
             return self._start(now)
-        seg_start, seg_end, kind, steps, base = self._seg
+        seg_start, seg_end, kind, steps, base, full = self._seg
         if kind == "decode" and steps > 1 and self._admissible():
             # cut the decode segment at the next step boundary so the prompt starts there
             per = (seg_end - seg_start) / steps
             done = min(steps, max(1, int((now - seg_start) / per) + 1))
             if done < steps:
-                self.shared.work_s -= base * (1 - done / steps) * len(self.gpus)  # charged again when re-planned
-                self._seg = (seg_start, seg_start + done * per, kind, done, base * done / steps)
+                cut = base * (1 - done / steps) * len(self.gpus)  # charged again when re-planned
+                self.shared.work_s -= cut
+                self.shared.slot_s -= cut * full
+                self._seg = (seg_start, seg_start + done * per, kind, done, base * done / steps, full)
                 self.busy_until = seg_start + done * per
                 self.version += 1
                 return True
@@ -181,9 +186,11 @@ class SimReplica:
         if not self.busy:
             self.busy = True
             self.shared.mark(self.gpus, 1)
+        full = min(1.0, (len(self.prefilling) + self.n_decoding) / self.max_batch)
         self.shared.work_s += base * len(self.gpus)
+        self.shared.slot_s += base * len(self.gpus) * full
         seconds = base * self.shared.factor(self.gpus) * self.slow
-        self._seg = (now, now + seconds, kind, steps, base)
+        self._seg = (now, now + seconds, kind, steps, base, full)
         self.busy_until = now + seconds
         self.version += 1
         return True

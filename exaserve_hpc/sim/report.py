@@ -120,16 +120,19 @@ def write_report(out: Path, summary: dict, samples, events, t0: float, wall_s: f
             ("SLO (p99 TTFT, p99 end-to-end)", f"{slo['ttft_p99_s']:g} s, {slo['e2e_p99_s']:g} s: "
                                                 f"{'held' if summary['slo_held'] else 'NOT held'}"),
             ("GPU utilisation (work / GPU-seconds of GPUs holding replicas)", f"{summary['gpu_util_allocated']:.1%}"),
+            ("the same, each step weighted by its batch's fullness", f"{summary['gpu_batch_occupancy']:.1%}"),
             ("nodes lost", ", ".join(summary["nodes_lost"]) or "none"),
             ("requeue decision", summary["requeue"]["why"] if summary["requeue"] else "none")]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if comparison:
         lines += ["", "## Static vs dynamic", "", comparison["text"], "",
-                  "| run | GPU utilisation | GPU-hours held | TTFT p99 | e2e p99 | SLO held | lost |", "|---|---|---|---|---|---|---|"]
+                  "| run | GPU utilisation | batch-weighted | GPU-hours held | TTFT p50 / p99 | e2e p99 | SLO held | lost |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name in ("static", "dynamic"):
             c = comparison[name]
-            lines.append(f"| {name} | {c['gpu_util_allocated']:.1%} | {c['gpu_seconds_allocated'] / 3600:.1f} | "
-                         f"{_fmt(c['ttft_p99_s'])} s | {_fmt(c['e2e_p99_s'])} s | {c['slo_held']} | {c['lost']} |")
+            lines.append(f"| {name} | {c['gpu_util_allocated']:.1%} | {c['gpu_batch_occupancy']:.1%} | "
+                         f"{c['gpu_seconds_allocated'] / 3600:.1f} | {_fmt(c['ttft_p50_s'])} / {_fmt(c['ttft_p99_s'])} s | "
+                         f"{_fmt(c['e2e_p99_s'])} s | {c['slo_held']} | {c['lost']} |")
     lines += ["", "## Failures and recovery", ""] + [f"- {at - t0:.0f} s: {text}" for at, text in events] + [""]
     for name in images:
         lines += [f"![{name}]({name})", ""]

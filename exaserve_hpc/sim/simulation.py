@@ -251,6 +251,7 @@ class Simulation:
         queue = len(self.dispatcher.pending) + sum(len(r.waiting) for r in self.replicas.values())
         hit = sum(r.hit_tokens for r in self.replicas.values()) + self._gone_hits[0]
         query = sum(r.query_tokens for r in self.replicas.values()) + self._gone_hits[1]
+        self.slot_sampled = self.gpus.slot_s
         self.rec.close(now, self.gpus.work_s, len(gpus), len(self.agents) * self.site.cluster.gpus_per_node, serving,
                        queue, len(self.dispatcher.inflight), hit, query, sum(a.alive for a in self.agents.values()))
         if self.on_progress is not None:
@@ -345,6 +346,7 @@ class Simulation:
             "e2e_p50_s": rec.e2e_all.quantile(0.5), "e2e_p99_s": rec.e2e_all.quantile(0.99),
             "ttft_mean_s": rec.ttft_all.mean, "gpu_util_allocated": rec.work_s / max(1e-9, rec.gpu_seconds_allocated),
             "gpu_seconds_allocated": rec.gpu_seconds_allocated, "gpu_work_seconds": rec.work_s,
+            "gpu_batch_occupancy": getattr(self, "slot_sampled", 0.0) / max(1e-9, rec.gpu_seconds_allocated),
             "peak_qps": max((b.arrivals - a.arrivals) / rec.interval for a, b in zip(rec.samples, rec.samples[1:]))
             if len(rec.samples) > 1 else 0.0,
             "replicas_placed_max": max((sum(s.replicas.values()) for s in rec.samples), default=0),

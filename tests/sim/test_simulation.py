@@ -91,6 +91,7 @@ def test_replica_model_times_and_prefix_cache():
         now = r.busy_until
         events += [(k, s.request_id, now) for k, s in r.wake(now)]
     assert [k for k, _, _ in events] == ["first", "done"]
+    assert r.shared.slot_s == pytest.approx(r.shared.work_s / 8)  # one sequence of a batch of 8 all along
     first = events[0][2]
     # two prefill steps (512 + 88 tokens) then two decode steps
     assert first == pytest.approx(2 * t.step_overhead_s + 600 * t.prefill_per_token_s, rel=0.05)
