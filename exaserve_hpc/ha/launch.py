@@ -180,8 +180,10 @@ class Candidate:
             log.warning("fleet state not read from etcd (%s); starting from the checkpoint or the plan", exc)
         if state is not None:
             plane.controller.restore(state)
-            print(f"exaserve: restored the fleet state from etcd ({len(state.placement)} replicas, excluded "
-                  f"{','.join(state.excluded_nodes) or 'none'})", flush=True)
+            line = (f"restored the fleet state from etcd ({len(state.placement)} replicas, excluded "
+                    f"{','.join(state.excluded_nodes) or 'none'})")
+            log.warning("%s", line)
+            print(f"exaserve: {line}", flush=True)
         writer = FleetStateWriter(self.election, self.prefix, plane.keeper.state,
                                   interval=self.site.ha.state_interval).start()
         plane.add_stop_hook(writer.stop)

@@ -1,0 +1,90 @@
+"""Control-plane HA on the local Slurm cluster (issue 18): `exaserve launch` with `ha.etcd.members: 3` starts
+a real etcd member on each of the first three nodes (each in its own network namespace, 10.77.0.1-3) and
+controller candidates on ranks 0-2; rank 0 leads. Kill rank 0's node (link cut, every process killed, its
+etcd member included): a standby leads within two lease periods (measured and printed), the surviving
+agents follow it, and the fleet serves again through the new leader's gateway, without a requeue."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+import yaml
+
+from .fleet import cluster, echo_site, remove_shared_dir, shared_dir, submit, wait_serving
+
+pytestmark = [pytest.mark.slurm, pytest.mark.process]
+
+TTL = 3.0
+REPLICAS = 4
+
+
+def controller(job) -> dict:
+    try:
+        return json.loads((job.job_dir / "controller.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def complete(url: str) -> str:
+    try:
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "after failover",
+                                                          "max_tokens": 4}, timeout=10)
+    except httpx.HTTPError:
+        return ""
+    return reply.json()["choices"][0]["text"] if reply.status_code == 200 else ""
+
+
+def test_leader_node_killed_a_standby_leads_and_the_fleet_serves_again(slurm_cluster):
+    directory = shared_dir("ha")
+    site = echo_site(directory, replicas=REPLICAS, heartbeat="2s", misses=3)
+    data = yaml.safe_load(site.read_text())
+    data["ha"] = {"etcd": {"members": 3}, "lease_ttl": f"{TTL:g}s", "state_interval": "0.5s"}
+    site.write_text(yaml.safe_dump(data))
+    logs = directory / "logs"  # every process's own log file (the job's output is written on n1, killed)
+    logs.mkdir()
+    os.environ["EXASERVE_LOG_DIR"] = str(logs)
+    try:
+        job = submit(site, directory / "jobs", nodes=4)
+    finally:
+        os.environ.pop("EXASERVE_LOG_DIR", None)
+    try:
+        wait_serving(job, agents=4, replicas=REPLICAS)
+        members = [json.loads((job.job_dir / "etcd" / "restart-0" / f"member-{r}.json").read_text())
+                   for r in range(3)]
+        assert [m["host"] for m in members] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"], members
+        first = controller(job)
+        assert first["endpoint"].startswith("tcp://10.77.0.1:"), first
+        assert complete(first["gateway_url"]), job.log()
+        time.sleep(1.5)  # the fleet state is in etcd (written on change, checked every 0.5 s)
+
+        killed = time.monotonic()
+        cluster("kill-node", "n1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and controller(job).get("endpoint") in (None, "", first["endpoint"]):
+            time.sleep(0.1)
+        published = time.monotonic() - killed
+        new = controller(job)
+        assert new.get("endpoint") and new["endpoint"] != first["endpoint"], job.log()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not complete(new["gateway_url"]):
+            time.sleep(0.3)
+        served = time.monotonic() - killed
+        status = httpx.get(f"{new['gateway_url']}/v1/exaserve/status", timeout=10).json()
+        print(f"\nHA failover on the local Slurm cluster: new leader {new['endpoint']} published {published:.1f}s "
+              f"after n1 was killed (lease TTL {TTL:g}s), serving through its gateway {served:.1f}s after; "
+              f"agents {sorted((a['agent_id'], a['state']) for a in status['agents'])}")
+        assert served < 90, job.log()
+        assert published <= 2 * TTL + 5.0, job.log()  # two lease periods, plus building the plane
+        alive = {a["agent_id"] for a in status["agents"] if a["state"] == "alive"}
+        assert alive == {"n2", "n3", "n4"}, status["agents"]
+        leader_logs = "".join(p.read_text(errors="replace") for p in logs.glob("rank*.log"))
+        assert "restored the fleet state from etcd" in leader_logs, leader_logs[-3000:]
+    finally:
+        job.cancel()
+        time.sleep(2)
+        cluster("revive-node", "n1", check=False)
+        remove_shared_dir(directory)
