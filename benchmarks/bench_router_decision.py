@@ -1,6 +1,6 @@
 """Routing decision time with 3,072 registered replicas and a warm prefix index.
 
-    python benchmarks/bench_router_decision.py [--replicas 3072] [--requests 20000]
+    python benchmarks/bench_router_decision.py [--replicas 3072] [--requests 20000] [--pure-python]
 
 One model served by every replica (the worst case: all of them are
 candidates). The index is warmed with one turn of each of 30,000
@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3072)
     parser.add_argument("--conversations", type=int, default=30000)
     parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--pure-python", action="store_true",
+                        help="the pure-Python prefix index and route (the reference) even where the compiled ones are built")
     args = parser.parse_args(argv)
     rng = random.Random(1)
-    policy = PrefixAffinity(AffinitySettings(block_size=BLOCK), seed=1)
+    policy = PrefixAffinity(AffinitySettings(block_size=BLOCK), seed=1, compiled=not args.pure_python)
     d = Dispatcher(policy, DispatchSettings(), {"m"})
     for i in range(args.replicas):
         rid = f"node{i // 8:03d}/gpu{i % 8}"
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in prompts:
         key = policy.routing_key(p)
         policy.commit(policy.route(pool, frozenset(), key), key)
-    print(f"{args.replicas} replicas; index warmed with {len(prompts)} conversations "
+    print(f"{args.replicas} replicas; {type(policy.index).__module__} index, "
+          f"{'compiled' if policy._compiled_route else 'pure-Python'} route; index warmed with {len(prompts)} conversations "
           f"({len(policy.index)} blocks indexed) in {time.perf_counter() - started:.1f}s")
 
     turns = [rng.choice(prompts) + [rng.randrange(50000) for _ in range(128)] for _ in range(args.requests)]

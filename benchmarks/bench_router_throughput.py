@@ -1,7 +1,7 @@
 """Routed requests/s of one router process vs a plain zmq.proxy forwarding the same messages.
 
     python benchmarks/bench_router_throughput.py [--replicas 3072] [--rounds 5] [--seconds 4]
-        [--policy prefix_affinity] [--window 256] [--routers 1]
+        [--policy prefix_affinity] [--window 256] [--routers 1] [--pure-python]
 
 The workload is the served one at the seed's scale:
 - 3,072 replica sockets (``--replicas``) in two echo processes; each answers a
@@ -14,7 +14,10 @@ The workload is the served one at the seed's scale:
   turn of each of ``--conversations`` conversations (20,000), so most
   requests find a deep cached match among 3,072 replicas;
 - recording included: the router records every choice in its index, as it
-  does when serving.
+  does when serving;
+- the prefix index and `route` compiled (router/_prefix_index.pyx,
+  _affinity_route.pyx) where they were built, as when serving; ``--pure-python``
+  measures the pure-Python reference instead (a machine without a C compiler).
 
 Same run, same peers, two phases alternating ``--rounds`` times (at least 5):
 1. proxy: `zmq.proxy(ROUTER, DEALER)` in its own process, the same 3,072
@@ -181,7 +184,8 @@ def run_router(endpoints, ready, args) -> None:
     from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
     from exaserve_hpc.router.policies import make_policy
     from exaserve_hpc.router.zmq_router import ZmqRouter
-    options = {"settings": AffinitySettings(block_size=BLOCK)} if args.policy == "prefix_affinity" else {}
+    options = {"settings": AffinitySettings(block_size=BLOCK), "compiled": not args.pure_python} \
+        if args.policy == "prefix_affinity" else {}
     policy = make_policy(args.policy, **options)
     dispatcher = Dispatcher(policy, DispatchSettings(replica_expiry=1e9), {"echo"})
     router = ZmqRouter(dispatcher).start()
@@ -266,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="proxy/router phase pairs, alternating")
     parser.add_argument("--routers", type=int, default=1, help="router processes sharing the fleet")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pure-python", action="store_true",
+                        help="prefix_affinity with the pure-Python index and route (as where the extension is not built)")
     args = parser.parse_args(argv)
-    label = f"{args.routers} x ZmqRouter ({args.policy})" if args.routers > 1 else f"ZmqRouter ({args.policy})"
+    policy = f"{args.policy}, pure Python" if args.pure_python else args.policy
+    label = f"{args.routers} x ZmqRouter ({policy})" if args.routers > 1 else f"ZmqRouter ({policy})"
     ratios, cpu_ratios, proxy_cpus, router_cpus, rates = [], [], [], [], []
     for i in range(args.rounds):
         proxy, proxy_cpu = phase("proxy", args)

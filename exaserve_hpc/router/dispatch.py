@@ -264,7 +264,9 @@ class Dispatcher:
     def _candidates(self, entry: Inflight) -> ReplicaPool:
         model = entry.request.model
         if not entry.version_chosen:
-            entry.version = self.rollouts.select(model, entry.request, self.version_pools)
+            # No rollout anywhere (the usual case): no call to find that out, once per request.
+            entry.version = self.rollouts.select(model, entry.request, self.version_pools) \
+                if self.rollouts.rollouts else None
             entry.version_chosen = True
         if entry.version is not None:
             pool = self.version_pools.get((model, entry.version))
