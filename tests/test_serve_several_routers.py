@@ -5,7 +5,9 @@
 2. The control plane `exaserve serve` builds (ControlPlane, in this process so the test can take one router
    away; real agent and replica processes, real ZeroMQ with CURVE, real HTTP): a stream of requests through
    gateway 0 while router 1 stops: 0 failures there; status marks router 1 lost; the replicas go on serving.
-Echo replicas: the figures are the serving path's own.
+3. router.prefix_mode: precise: a prompt served through gateway 0 is routed by affinity the first time it
+   comes through gateway 1 (router 1 learned it from the engine's KV events, not from its own choices).
+Echo replicas in 1 and 2: the figures are the serving path's own; the reference engine in 3 (KV events).
 """
 
 from __future__ import annotations
@@ -131,3 +133,36 @@ def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
         plane.shutdown()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_in_precise_mode_a_router_finds_the_prefix_another_router_placed(tmp_path):
+    """KV events keep every router's index: a prompt first served through gateway 0 (router 0) is routed
+    by affinity when it comes again through gateway 1, whose router never routed it."""
+    from serve_harness import write_local_site
+
+    site_file = write_local_site(tmp_path, router={"count": 2, "policy": "prefix_affinity",
+                                                   "prefix_mode": "precise"})
+    process, url, lines = start_serve(site_file)
+    try:
+        gateways = json.loads((tmp_path / "run" / "serve.json").read_text())["gateways"]
+        prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 2
+        with httpx.Client(timeout=30) as http:
+            wait_for(lambda: routers_seeing_every_replica(http.get(f"{url}/v1/exaserve/status").json()), 60,
+                     "both routers to see both replicas")
+            first = http.post(f"{gateways[0]}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
+                                                                      "max_tokens": 2})
+            assert first.status_code == 200, first.text
+
+            time.sleep(1.5)  # the engine's KV events reach both routers (they are published as blocks fill)
+            repeat = http.post(f"{gateways[1]}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
+                                                                       "max_tokens": 2})
+            assert repeat.status_code == 200, repeat.text
+            # Once: in approximate mode router 1 would know nothing of this prompt yet.
+            router = wait_for(lambda: (r := http.get(f"{url}/v1/exaserve/status").json()["router"])
+                              ["prefix_hit_tokens"] >= 16 and [x["accepted"] for x in r["routers"]] == [1, 1] and r,
+                              20, "both requests and the engine's prefix hit in status")
+        assert router["routing"].get("affinity") == 1, router["routing"]
+    except BaseException:
+        process.kill()
+        raise
+    stop_serve(process, lines)
