@@ -124,10 +124,6 @@ class RouterGroup:
             member.rollouts = lambda: self.members[0].snapshot().get("rollouts")
 
     @property
-    def dispatcher(self):
-        return self.members[0].dispatcher
-
-    @property
     def _thread(self):
         """A live router's loop, for the controller's liveness check: the service works while one runs."""
         for member in self.members:
