@@ -45,6 +45,12 @@ def run_tag(job_id: str, restart: int) -> str:
 class SeveralRouters:
     def __init__(self, site, router0, router_bind: str, settings, make_router: Callable[[int, int], object]):
         """make_router(frontend_port, backend_port) -> a started ZmqRouter (serve's routers 1..N-1)."""
+        if settings.across_nodes and site.ha.etcd is not None:
+            # ha/launch.py places controller candidates on the first ranks, where router ranks would run
+            from .control_plane import ControlPlaneError
+            raise ControlPlaneError(f"router.count {site.router.count} with ha.etcd: several routers do not run "
+                                    "beside elected controllers yet; allowed: router.count 1 with ha.etcd, or no "
+                                    "ha.etcd")
         self.site = site
         self.count = site.router.count
         self.local = [router0]  # routers in this process, router 0 first

@@ -136,3 +136,17 @@ def test_a_replica_answers_each_request_on_the_router_that_sent_it(context):
         links.close()
         for sock in routers:
             sock.close(linger=0)
+
+
+def test_several_routers_with_elected_controllers_is_refused_naming_both_settings():
+    from types import SimpleNamespace
+
+    from exaserve_hpc.config import SiteConfig
+    from exaserve_hpc.control_plane import ControlPlaneError
+    from exaserve_hpc.several_routers import SeveralRouters
+
+    site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 4, "nodelist": "n[1-4]"},
+                                      "router": {"count": 2}, "ha": {"etcd": {"members": 3}},
+                                      "models": [{"model_name": "echo", "engine": "echo", "max_seq_len": 64}]})
+    with pytest.raises(ControlPlaneError, match="router.count 2 with ha.etcd"):
+        SeveralRouters(site, None, "127.0.0.1", SimpleNamespace(across_nodes=True), lambda fp, bp: None)
