@@ -96,7 +96,7 @@ class SimAgent:
             kv_tokens=int(kv_bytes // max(1, spec.kv_bytes_per_token or 131072)),
             block_tokens=self.sim.block_tokens(msg.model), chunk_tokens=self.sim.site.batching.prefill_chunk_tokens,
             step_tokens=STEP_TOKENS, gpus=tuple((self.node, g) for g in msg.gpu_indices) or ((self.node, 0),),
-            shared=self.sim.gpus, slow=self.slow)
+            shared=self.sim.gpus, slow=self.slow, progress_every=self.sim.progress_every)
         self.replicas[replica_id] = replica
         self.sim.replicas[replica_id] = replica
         self.sim.to_controller(now, self.node, ReplicaEvent(agent_id=self.node, replica_id=replica_id, state="serving"))

@@ -14,9 +14,13 @@ formula (step overhead, prefill tokens and attention pairs, decoding sequences, 
 - GPUs shared by several replicas (gpu_memory_utilization < 1): a step takes as many times longer as
   there are busy replicas on its GPU when it starts (`SharedGpus`);
 - `slow`: a multiplier on every step (a slow node).
-Steps with only decodes are taken in one segment up to the next sequence that finishes (closed form);
-a request arriving meanwhile cuts the segment at the next step boundary. Events: a first token (end of
-the prompt's last prefill step) and a finish, each stamped with its step's end.
+Steps with only decodes are taken in one segment up to the next sequence that finishes (closed form),
+at most `progress_every` seconds long; a request arriving meanwhile cuts the segment at the next step
+boundary. Events: a first token (end of the prompt's last prefill step), a finish, each stamped with its
+step's end, and every `progress_every` seconds the tokens each decoding sequence made since it last
+reported: a real replica streams a chunk every few tens of milliseconds, and the router takes a stream
+silent for `router.stall_timeout` (60 s) as a stalled replica and moves the request, so a long decode
+that reported only its first and last token would look stalled.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class SimSeq:
     finish_at: int = 0  # decode step count at which it ends
     reserved: int = 0  # KV tokens held
     aborted: bool = False
+    sent: int = 0  # output tokens reported so far (the first token, then progress)
+    progress: int = 0  # tokens in the latest progress report
 
 
 @dataclass
@@ -63,11 +69,13 @@ class SharedGpus:
 class SimReplica:
     def __init__(self, replica_id: str, model: str, timings: GpuTimings, *, max_batch: int, kv_tokens: int,
                  block_tokens: int, chunk_tokens: int, step_tokens: int, gpus: tuple, shared: SharedGpus,
-                 slow: float = 1.0):
+                 slow: float = 1.0, progress_every: float = 10.0):
         self.replica_id, self.model, self.t = replica_id, model, timings
         self.max_batch, self.kv_tokens, self.block = max_batch, max(1, kv_tokens), block_tokens
         self.chunk, self.step_tokens = chunk_tokens, step_tokens
         self.gpus, self.shared, self.slow = gpus, shared, slow
+        self.progress_every = progress_every
+        self.last_progress = 0.0
         self.waiting: deque[SimSeq] = deque()
         self.prefilling: list[SimSeq] = []
         self.decoding: list[tuple[int, int, SimSeq]] = []  # heap (finish_at, n, seq)
@@ -174,6 +182,10 @@ class SimReplica:
                 heapq.heappop(self.decoding)
             k = max(1, self.decoding[0][0] - self.steps)
             n, t = self.n_decoding, self.t
+            step = (t.step_overhead_s + t.decode_per_seq_s * n + t.kv_read_per_token_s * (self.ctx + n)) \
+                * self.shared.factor(self.gpus) * self.slow
+            if k * step > self.progress_every:  # a segment no longer than a progress period
+                k = max(1, int(self.progress_every / step))
             base = (k * (t.step_overhead_s + t.decode_per_seq_s * n + t.kv_read_per_token_s * (self.ctx + n))
                     + t.kv_read_per_token_s * n * k * (k - 1) / 2)
             kind, steps = "decode", k
@@ -224,6 +236,7 @@ class SimReplica:
                     still.append(seq)
                     continue
                 out.append(("first", seq))
+                seq.sent = 1
                 if seq.max_tokens <= 1:
                     self._finish(seq, out)
                 else:  # its first token came from the prefill; max_tokens - 1 decode steps to go
@@ -233,6 +246,13 @@ class SimReplica:
                     self.n_decoding += 1
                     self.ctx += seq.prompt + 1
             self.prefilling = still
+        if self.n_decoding and now - self.last_progress >= self.progress_every:
+            self.last_progress = now
+            for finish_at, _, seq in self.decoding:
+                made = seq.max_tokens - (finish_at - self.steps)  # the first token, then one a decode step
+                if not seq.aborted and made > seq.sent:
+                    seq.progress, seq.sent = made - seq.sent, made
+                    out.append(("progress", seq))
         self._start(now)
         return out
 

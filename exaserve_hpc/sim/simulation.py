@@ -70,6 +70,8 @@ class Simulation:
         self._max_seq = {m: spec.max_seq_len for m, spec in self.catalogue.items()}
         self.too_long = 0  # requests longer than their model's max_seq_len, refused at the gateway
         self.dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), self.models)
+        # decoding replicas report progress well within the router's stall limit (real ones every ~20 ms)
+        self.progress_every = min(10.0, self.dispatcher.settings.stall_limit / 4)
         self.router = SimRouter(self.dispatcher, lambda: self.now)
         hosts = site.cluster.hostnames()
         self.agents = {h: SimAgent(h, self) for h in hosts}
@@ -174,10 +176,13 @@ class Simulation:
                 out += self.dispatcher.on_replica_message(
                     rid, TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
                                     finish_reason="length" if seq.max_tokens <= 1 else None), now)
+            elif kind == "progress":
+                out += self.dispatcher.on_replica_message(
+                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * seq.progress), now)
             elif seq.max_tokens > 1:
                 out += self.dispatcher.on_replica_message(
-                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - 1), finished=True,
-                                    finish_reason="length"), now)
+                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - seq.sent),
+                                    finished=True, finish_reason="length"), now)
         if replica.busy:
             self.later(replica.busy_until, self._wake, replica, replica.version)
         if out:

@@ -192,3 +192,24 @@ def test_changing_the_spread_rule_changes_the_simulation(monkeypatch):
     monkeypatch.setattr(placement.Placer, "_group_key", pack)
     held, cost = run()
     assert held > 40 and cost == held, (held, cost)
+
+
+def test_a_long_decode_reports_progress_within_the_stall_limit():
+    """A replica that reported only the first and the last token of a 70 s decode would look stalled to the
+    router (stall_timeout 60 s) and the request would move three times and fail: the small16-diurnal
+    hour lost requests so. Progress comes every progress_every seconds and no decode segment is longer."""
+    t = timings_for("a100-80gb")
+    r = SimReplica("m/r0", "m", t, max_batch=8, kv_tokens=1_000_000, block_tokens=64, chunk_tokens=512,
+                   step_tokens=8192, gpus=(("n", 0),), shared=SharedGpus(), slow=200.0, progress_every=10.0)
+    r.add(SimSeq("a", 100, 1000, ()), 0.0)
+    reports, now = [], 0.0
+    while r.busy:
+        assert r.busy_until - now <= 10.0 + 1e-9 or r.steps == 0
+        now = r.busy_until
+        reports += [(now, k, s.progress if k == "progress" else 0) for k, s in r.wake(now)]
+    kinds = [k for _, k, _ in reports]
+    assert kinds[0] == "first" and kinds[-1] == "done" and kinds.count("progress") >= 5
+    assert now > 60  # the decode outlasted the stall limit
+    times = [at for at, _, _ in reports]
+    assert max(b - a for a, b in zip(times, times[1:])) < 21  # never silent for long
+    assert 1 + sum(n for _, k, n in reports if k == "progress") < 1000  # the finish carries the rest
