@@ -425,7 +425,9 @@ class ControlPlane:
             self.server.run(sockets=[self.listener])
         finally:
             self.shutdown()
-            state_file.unlink(missing_ok=True)
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(state_file.read_text()).get("pid") == os.getpid():  # not a new leader's (ha/)
+                    state_file.unlink()
         return 1 if self.failure else 0
 
     def shutdown(self) -> None:

@@ -61,7 +61,13 @@ class Election:
         with self._lock:
             if not self.leading:
                 return False
-            return leader_decision(self.clock(), self._sent_at, self._granted, self.timing) is not LeaderAction.STEP_DOWN
+            if leader_decision(self.clock(), self._sent_at, self._granted, self.timing) is not LeaderAction.STEP_DOWN:
+                return True
+            late = self.clock() - self._sent_at
+        # Past the deadline: step down now, from whoever asked (the controller's thread at its next decision),
+        # not when the election thread's renewal, maybe stuck in a timeout, returns.
+        self.step_down(f"lease not renewed for {late:.1f}s (TTL {self._granted:g}s, margin {self.timing.margin:g}s)")
+        return False
 
     def deadline(self) -> float:
         with self._lock:

@@ -9,7 +9,8 @@
 
 etcd3gw talks to one member; this class keeps one client per endpoint and moves to the next member
 when one does not answer (a lost node's member), so callers see one etcd. Every call is bounded by
-`timeout`: a leader must learn it cannot renew before its lease runs out, never block past it.
+about `timeout` (silent members after the first are skipped once it has passed): a leader must learn it
+cannot renew before its lease runs out, never block long past it.
 Why etcd3gw and not a gRPC client: it needs only `requests`, and etcd 3.4's gateway serves /v3/.
 etcd's JSON carries int64 as strings, bytes as base64, and omits false and zero fields.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
@@ -77,7 +79,10 @@ class EtcdClient:
         errors = []
         with self._lock:
             start = self._current
+        began = time.monotonic()
         for i in range(len(self._clients)):
+            if i and time.monotonic() - began >= self.timeout:
+                break  # one call takes about `timeout` at most, however many members are silent
             index = (start + i) % len(self._clients)
             client = self._clients[index]
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 
 import pytest
 
@@ -58,3 +59,30 @@ def etcd_cluster(tmp_path):
     yield members
     for member in members:
         member.stop()
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def netns(tmp_path):
+    """A network namespace joined to this one by a veth pair: 10.78.N.1 here, 10.78.N.2 inside."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    n = os.getpid() % 200 + 20
+    name, host_if, ns_if = f"exha{n}", f"exhah{n}", f"exhan{n}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    ip("netns", "add", name)
+    ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+    ip("link", "set", ns_if, "netns", name)
+    ip("addr", "add", f"10.78.{n}.1/24", "dev", host_if)
+    ip("link", "set", host_if, "up")
+    ip("netns", "exec", name, "ip", "addr", "add", f"10.78.{n}.2/24", "dev", ns_if)
+    ip("netns", "exec", name, "ip", "link", "set", ns_if, "up")
+    ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+    ip("netns", "exec", name, "ip", "route", "add", "default", "via", f"10.78.{n}.1")  # this side's other addresses
+    yield name, host_if, f"10.78.{n}.1"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)

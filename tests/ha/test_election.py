@@ -15,6 +15,7 @@ from exaserve_hpc.ha.election import Deposed, Election
 from exaserve_hpc.ha.etcd_client import EtcdClient
 from exaserve_hpc.ha.lease_policy import LeaseTiming
 
+from tests.ha.conftest import ip, need_etcd, start_cluster
 from tests.waiting import wait_for
 
 CANDIDATE = Path(__file__).with_name("candidate.py")
@@ -95,35 +96,7 @@ def test_failover_after_the_leader_process_is_killed(etcd_cluster, tmp_path):
             p.wait()
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@pytest.fixture
-def netns(tmp_path):
-    """A network namespace joined to this one by a veth pair: 10.78.N.1 here, 10.78.N.2 inside."""
-    import os
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    n = os.getpid() % 200 + 20
-    name, host_if, ns_if = f"exha{n}", f"exhah{n}", f"exhan{n}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-    _ip("netns", "add", name)
-    _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-    _ip("link", "set", ns_if, "netns", name)
-    _ip("addr", "add", f"10.78.{n}.1/24", "dev", host_if)
-    _ip("link", "set", host_if, "up")
-    _ip("netns", "exec", name, "ip", "addr", "add", f"10.78.{n}.2/24", "dev", ns_if)
-    _ip("netns", "exec", name, "ip", "link", "set", ns_if, "up")
-    _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-    yield name, host_if, f"10.78.{n}.1"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-
-
 def test_partitioned_leader_stops_acting_before_the_standby_leads(netns, tmp_path):
-    from tests.ha.conftest import need_etcd, start_cluster
     need_etcd()
     name, host_if, address = netns
     members = start_cluster(tmp_path / "etcd", host=address)  # reachable from inside the namespace
@@ -133,11 +106,11 @@ def test_partitioned_leader_stops_acting_before_the_standby_leads(netns, tmp_pat
         wait_for(lambda: first(events(tmp_path / "inside.log"), "act"), 20, "the namespaced candidate to lead")
         outside = spawn(members, "outside", prefix, tmp_path / "outside.log")
         time.sleep(1.0)
-        _ip("link", "set", host_if, "down")  # the partition: the leader cannot reach any etcd member
+        ip("link", "set", host_if, "down")  # the partition: the leader cannot reach any etcd member
         cut = time.time()
         wait_for(lambda: first(events(tmp_path / "outside.log"), "act"), 4 * TTL, "the outside candidate to lead")
         time.sleep(1.0)
-        _ip("link", "set", host_if, "up")  # healed: the old leader's stale write reaches etcd and is refused
+        ip("link", "set", host_if, "up")  # healed: the old leader's stale write reaches etcd and is refused
         wait_for(lambda: first(events(tmp_path / "inside.log"), "stale-write"), 10, "a stale write attempt")
         old, new = events(tmp_path / "inside.log"), events(tmp_path / "outside.log")
         stopped = max(t for t, e, _ in old if e == "act")
