@@ -354,6 +354,8 @@ class ControlPlane:
         self._ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
         self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(self._ledger.close)
+        from .several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
+        self._admission = gateway_admission(self.site, self._ledger, self.settings.across_nodes)
         return self._gateway_app(self.router.frontend_endpoint)
 
     def _gateway_app(self, frontend: str):
@@ -368,7 +370,7 @@ class ControlPlane:
                               ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
         return create_app(client, self.site, admin_routes=serving_admin_routes(
             self.site, self.router, self.controller, self.gateway_host, admin_key=self._admin_key),
-            admin_key=self._admin_key, ledger=self._ledger)
+            admin_key=self._admin_key, ledger=self._ledger, admission=self._admission)
 
     # ---------------------------------------------------------------- running and stopping
 

@@ -37,6 +37,15 @@ def router_file(rank: int) -> str:
     return f"{ROUTERS_DIR}/rank-{rank}.json"
 
 
+def gateway_admission(site, ledger, across_nodes: bool, rank: int = 0):
+    """The admission (quota limits) of this process's gateways. `exaserve serve`: one for all of them, shared
+    by their threads, so every limit holds exactly; `exaserve launch`: gateway k, on rank k, holds its part of
+    each limit, the parts adding up to the configured one (router/admission.py)."""
+    from .router.gateway import site_admission
+    gateways = site.router.count if across_nodes else 1
+    return site_admission(site, ledger, (rank, gateways))
+
+
 def run_tag(job_id: str, restart: int) -> str:
     """A registration is this run's (not one left by the run before a requeue) when its tag matches."""
     return f"{job_id}.{restart}"

@@ -166,3 +166,59 @@ def test_in_precise_mode_a_router_finds_the_prefix_another_router_placed(tmp_pat
         process.kill()
         raise
     stop_serve(process, lines)
+
+
+def test_a_groups_concurrency_limit_holds_over_both_gateways(tmp_path):
+    """One admission for every gateway of `exaserve serve`: max_concurrent_requests 2, three concurrent long
+    streams of the group, two through gateway 0 and one through gateway 1: exactly one is refused (each gateway
+    counting on its own would admit all three), the other two are answered whole."""
+    from exaserve_hpc.quota.keys import hash_key
+    from serve_harness import write_local_site
+
+    key = "exa-split-key-0123456789abcdef"
+    site_file = write_local_site(tmp_path, router={"count": 2}, gateway={"require_api_key": True})
+    site = yaml.safe_load(site_file.read_text())
+    site["quota_groups"] = [{"name": "lab", "account": "lab001", "max_concurrent_requests": 2,
+                             "api_key_hashes": [hash_key(key)]}]
+    site_file.write_text(yaml.safe_dump(site))
+    process, url, lines = start_serve(site_file)
+    try:
+        gateways = json.loads((tmp_path / "run" / "serve.json").read_text())["gateways"]
+        auth = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(timeout=30) as http:
+            wait_for(lambda: http.get(f"{url}/health").status_code == 200, 60, "a replica serving")
+        results: list[tuple] = []  # (gateway, status, completion tokens, when it ended)
+        start = threading.Barrier(3)
+
+        def long_stream(gateway: str) -> None:
+            body = {"model": "tiny-llama", "prompt": "tell me", "max_tokens": 1200, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.Client(timeout=300) as http:
+                start.wait()
+                with http.stream("POST", f"{gateway}/v1/completions", json=body, headers=auth) as response:
+                    text = response.read().decode() if response.status_code != 200 else "".join(response.iter_text())
+                usage = [json.loads(line[6:])["usage"] for line in text.splitlines()
+                         if line.startswith("data: {") and '"usage":{' in line]
+                results.append((gateway, response.status_code, usage[-1]["completion_tokens"] if usage else text,
+                                time.monotonic()))
+
+        threads = [threading.Thread(target=long_stream, args=(g,)) for g in (gateways[0], gateways[1], gateways[0])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        statuses = sorted(status for _, status, _, _ in results)
+        assert statuses == [200, 200, 429], results
+        refused = next(r for r in results if r[1] == 429)
+        assert "max_concurrent_requests" in refused[2], refused
+        served = [r for r in results if r[1] == 200]
+        assert all(tokens == 1200 for _, _, tokens, _ in served), results
+        assert all(ended > refused[3] for *_, ended in served), "the streams were not in flight together"
+        with httpx.Client(timeout=60) as http:  # both slots free again, whichever gateway took them
+            for gateway in gateways:
+                assert http.post(f"{gateway}/v1/completions", headers=auth,
+                                 json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2}).status_code == 200
+    except BaseException:
+        process.kill()
+        raise
+    stop_serve(process, lines)

@@ -138,6 +138,7 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo, 
     from ..router.backend import ModelInfo
     from ..router.client import RouterClient
     from ..router.gateway import create_app
+    from ..several_routers import gateway_admission
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
 
@@ -157,4 +158,6 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo, 
     except OSError:
         admin_key = None
     ledger = UsageLedger(ledger_dir(site, jobdir.path.parent), half_life=site.gateway.fair_share_half_life)
-    return create_app(client, site, admin_key=admin_key, ledger=ledger), ledger
+    # this gateway's part of each quota limit: gateway k of router.count (several_routers.py)
+    return create_app(client, site, admin_key=admin_key, ledger=ledger,
+                      admission=gateway_admission(site, ledger, True, rank.rank)), ledger

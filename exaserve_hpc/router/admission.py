@@ -2,11 +2,19 @@
 
 ``ApiError`` is a refusal answered with OpenAI's error body; ``Admission``
 caps requests in flight for the whole gateway and per quota group (429).
+
+Several gateways (``router.count``): ``exaserve serve`` runs them all in one process, each uvicorn on its own
+thread and event loop, and gives them one ``Admission`` (its counts are guarded by a lock), so every limit holds
+exactly for all of them together. Under ``exaserve launch`` they run on different ranks; asking rank 0 on every
+request would add a round trip to each, so each gateway takes its ``part`` of every limit instead
+(quota/shares.py ``split_limit``): the parts add up to the configured limits, and a client, or the centre's load
+balancer, should spread a group's requests over the gateways.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -15,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
+from exaserve_hpc.quota.shares import WHOLE, split_limit
 from exaserve_hpc.router import openai_api as api
 from exaserve_hpc.router.backend import BackendError
 
@@ -133,11 +142,13 @@ class TokenBudget:
         limit, used = self.limits[group], self.used(group, now)
         if used < limit:
             return 0.0
+        if limit <= 0:  # a gateway holding no part of a split limit (Admission refuses before asking)
+            return self.window
         for when, tokens in self._used[group]:  # oldest first
             used -= tokens
             if used < limit:
                 return max(0.001, when + self.window - now)
-        raise AssertionError("usage is the sum of the entries, and limits are >= 1")
+        raise AssertionError("usage is the sum of the entries, and the limit is >= 1")
 
     def charge(self, group: Optional[str], tokens: int, now: float) -> None:
         if group in self.limits and tokens > 0:
@@ -150,17 +161,25 @@ class Admission:
     With a ``ledger`` (quota/ledger.py), every request that produced tokens is recorded when its ticket is
     released: its group, the group's Slurm account (``accounts``), model, tokens and GPU-seconds
     (``gpu_share[model]``: a replica's GPUs over its batch slots, times the request's seconds).
+
+    ``part``: (this gateway, gateways) when the limits are split over gateways on different ranks (module
+    docstring); the limits given are the configured ones, and this gateway holds its part of each. One
+    Admission may serve several gateways of one process: ``admit`` and ``release`` hold ``lock``.
     """
 
     def __init__(self, max_inflight: int, group_limits: dict[str, int],
                  tokens_per_minute: Optional[dict[str, int]] = None, clock: Callable[[], float] = time.monotonic,
                  ledger=None, accounts: Optional[dict[str, str]] = None,
                  gpu_share: Optional[dict[str, float]] = None, shares=None,
-                 capacity: Optional[dict[str, int]] = None):
-        self.max_inflight = max_inflight
-        self.group_limits = group_limits
-        self.budget = TokenBudget(tokens_per_minute or {})
+                 capacity: Optional[dict[str, int]] = None, part: tuple[int, int] = WHOLE):
+        self.part = part
+        self.configured = {"max_queued_requests": max_inflight, "max_concurrent_requests": dict(group_limits),
+                           "tokens_per_minute": dict(tokens_per_minute or {})}
+        self.max_inflight = split_limit(max_inflight, *part)
+        self.group_limits = {g: split_limit(n, *part) for g, n in group_limits.items()}
+        self.budget = TokenBudget({g: split_limit(n, *part) for g, n in (tokens_per_minute or {}).items()})
         self.clock = clock
+        self.lock = threading.Lock()  # several gateways' event loops (threads) admit and release here
         self.inflight = 0
         self.by_group: dict[str, int] = {}
         self.ledger, self.accounts, self.gpu_share = ledger, accounts or {}, gpu_share or {}
@@ -180,31 +199,67 @@ class Admission:
             used = self.by_model.get(model, {}).get(group or "", 0) / max(1, self.capacity[model])
             metrics.GROUP_SHARE_USED.labels(*self.labels(group, model)).set(used)
 
+    def _split(self, setting: str, configured: int, part: int) -> str:
+        """What a refusal adds when the limit is split over gateways on several ranks ('' when it is not)."""
+        gateways = self.part[1]
+        if gateways == 1:
+            return ""
+        return (f" ({setting} {configured} is split over the {gateways} gateways of router.count {gateways}; this "
+                f"gateway's part is {part}: spread the requests over the gateways serve.json lists)")
+
+    def _refuse_split_out(self, setting: str, configured: int, group: Optional[str], model: str) -> ApiError:
+        """A gateway whose part of a limit is 0 (the limit is below router.count) refuses what the limit covers."""
+        whose = f"of quota group {group!r} under its " if group else "under gateway."
+        return ApiError(429, f"this gateway takes no requests {whose}{setting} {configured}: the limit is "
+                        f"split over the {self.part[1]} gateways of router.count {self.part[1]} and this gateway's "
+                        f"part is 0; send the requests to gateway 0 (serve.json lists the gateways)",
+                        code="quota_exceeded" if group else "overloaded", retry_after=_OVERLOAD_RETRY_AFTER)
+
     def admit(self, group: Optional[str], model: str = "", prompt_tokens: int = 0,
               request_id: str = "") -> "Ticket":
+        with self.lock:
+            return self._admit(group, model, prompt_tokens, request_id)
+
+    def _admit(self, group: Optional[str], model: str, prompt_tokens: int, request_id: str) -> "Ticket":
         if self.inflight >= self.max_inflight:
+            configured = self.configured["max_queued_requests"]
+            if self.max_inflight == 0:
+                raise self._refuse_split_out("max_queued_requests", configured, None, model)
             raise ApiError(429, f"the gateway is at its limit of {self.max_inflight} requests in flight "
-                           "(gateway.max_queued_requests); retry after the Retry-After seconds",
-                           code="overloaded", retry_after=_OVERLOAD_RETRY_AFTER)
+                           "(gateway.max_queued_requests" + self._split("gateway.max_queued_requests", configured,
+                                                                        self.max_inflight)
+                           + "); retry after the Retry-After seconds", code="overloaded",
+                           retry_after=_OVERLOAD_RETRY_AFTER)
         limit = self.group_limits.get(group) if group else None
         if limit is not None and self.by_group.get(group, 0) >= limit:
             metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), "max_concurrent_requests").inc()
+            configured = self.configured["max_concurrent_requests"][group]
+            if limit == 0:
+                raise self._refuse_split_out("max_concurrent_requests", configured, group, model)
             raise ApiError(429, f"quota group {group!r} already has {limit} requests in flight, its "
-                           "max_concurrent_requests; wait for one to finish", code="quota_exceeded",
-                           retry_after=_OVERLOAD_RETRY_AFTER)
+                           "max_concurrent_requests" + self._split("max_concurrent_requests", configured, limit)
+                           + "; wait for one to finish", code="quota_exceeded", retry_after=_OVERLOAD_RETRY_AFTER)
         if self.shares is not None and model:
-            refusal = self.shares.decide(group, self.by_model.get(model, {}), self.capacity.get(model, 1),
-                                         self.clock())
+            capacity = self.capacity.get(model, 1)
+            refusal = self.shares.decide(group, self.by_model.get(model, {}), capacity, self.clock(), self.part)
             if refusal:
                 metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), refusal).inc()
-                raise ApiError(429, _SHARE_REFUSALS[refusal].format(group=group, model=model), code="quota_exceeded",
-                               retry_after=_OVERLOAD_RETRY_AFTER)
+                raise ApiError(429, _SHARE_REFUSALS[refusal].format(group=group, model=model)
+                               + self._split(f"model {model!r}'s slots", capacity,
+                                             self.shares.slots(capacity, self.part)),
+                               code="quota_exceeded", retry_after=_OVERLOAD_RETRY_AFTER)
+        if group in self.budget.limits and self.budget.limits[group] == 0:
+            metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), "tokens_per_minute").inc()
+            raise self._refuse_split_out("tokens_per_minute", self.configured["tokens_per_minute"][group], group,
+                                         model)
         wait = self.budget.wait(group, self.clock())
         if wait > 0:
             metrics.QUOTA_REJECTIONS.labels(*self.labels(group, model), "tokens_per_minute").inc()
             raise ApiError(429, f"quota group {group!r} used its tokens_per_minute "
-                           f"({self.budget.limits[group]} prompt + completion tokens per 60 s); "
-                           f"retry in {wait:.0f} s", code="quota_exceeded", retry_after=wait)
+                           f"({self.budget.limits[group]} prompt + completion tokens per 60 s"
+                           + self._split("tokens_per_minute", self.configured["tokens_per_minute"][group],
+                                         self.budget.limits[group])
+                           + f"); retry in {wait:.0f} s", code="quota_exceeded", retry_after=wait)
         self.inflight += 1
         if group:
             self.by_group[group] = self.by_group.get(group, 0) + 1
@@ -228,18 +283,19 @@ class Ticket:
 
     def release(self, tokens: int = 0) -> None:
         """Free the slot; `tokens` (prompt + completion) count against the group's tokens_per_minute."""
-        if not self._held:
-            return
-        self._held = False
-        self._admission.budget.charge(self._group, tokens, self._admission.clock())
-        self._admission.inflight -= 1
-        if self._group:
-            self._admission.by_group[self._group] -= 1
-        if self._model:
-            self._admission.by_model[self._model][self._group or ""] -= 1
-            self._admission._share_used(self._group, self._model)
-        if self._admission.shares is not None and tokens > self._prompt_tokens:  # billed: as the ledger counts it
-            self._admission.shares.usage.add(self._group or "", tokens, self._admission.clock())
+        with self._admission.lock:
+            if not self._held:
+                return
+            self._held = False
+            self._admission.budget.charge(self._group, tokens, self._admission.clock())
+            self._admission.inflight -= 1
+            if self._group:
+                self._admission.by_group[self._group] -= 1
+            if self._model:
+                self._admission.by_model[self._model][self._group or ""] -= 1
+                self._admission._share_used(self._group, self._model)
+            if self._admission.shares is not None and tokens > self._prompt_tokens:  # billed as the ledger counts
+                self._admission.shares.usage.add(self._group or "", tokens, self._admission.clock())
         metrics.INFLIGHT_REQUESTS.dec()
         metrics.GROUP_INFLIGHT.labels(self._group or "none").dec()
         if tokens > 0:

@@ -103,22 +103,31 @@ def share_policy(site: SiteConfig) -> dict:
     return dict(shares=SharePolicy(shares, site.gateway.fair_share_half_life), capacity=capacity)
 
 
+def site_admission(site: SiteConfig, ledger=None, part: tuple[int, int] = (0, 1)) -> Admission:
+    """The admission of the site's limits and quota groups. ``part``: (this gateway, gateways) when each of
+    several gateways on different ranks holds a part of every limit (router/admission.py); a gateway
+    process serving several gateways gives them all the one Admission this returns."""
+    admission = Admission(site.gateway.max_queued_requests, group_limits(site),
+                          {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
+                          ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
+                          gpu_share=gpu_share(site), part=part, **share_policy(site))
+    if ledger is not None and admission.shares is not None:  # fair share continues across a restart
+        ledger.seed(admission.shares, admission.clock())  # the ledger restored the earlier runs' usage
+    return admission
+
+
 def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional[APIRouter] = None,
-               admin_key: Optional[str] = None, ledger=None) -> FastAPI:
+               admin_key: Optional[str] = None, ledger=None, admission: Optional[Admission] = None) -> FastAPI:
     """The gateway's FastAPI app serving ``backend`` under ``site.gateway``'s limits and API keys.
 
     ``admin_routes`` (e.g. the router's rollout API) are mounted as they are; they carry their own auth.
     ``admin_key``: the deployment's admin key; with gateway.require_api_key, fleet status, /metrics and
     /openapi.json need it (/metrics also takes gateway.metrics_key).
     ``ledger``: a quota.ledger.UsageLedger every finished request is recorded in (None: not recorded).
+    ``admission``: shared with other gateways (``site_admission``); default, this app's own over ``ledger``.
     """
     tokenizer = ByteTokenizer()
-    admission = Admission(site.gateway.max_queued_requests, group_limits(site),
-                          {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
-                          ledger=ledger, accounts={g.name: g.account or "" for g in site.quota_groups},
-                          gpu_share=gpu_share(site), **share_policy(site))
-    if ledger is not None and admission.shares is not None:  # fair share continues across a restart
-        ledger.seed(admission.shares, admission.clock())  # the ledger restored the earlier runs' usage
+    admission = admission if admission is not None else site_admission(site, ledger)
     keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
     for warning in plaintext_warnings(site):
         log.warning("%s", warning)
