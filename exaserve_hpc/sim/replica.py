@@ -76,6 +76,9 @@ class SimReplica:
         self.gpus, self.shared, self.slow = gpus, shared, slow
         self.progress_every = progress_every
         self.last_progress = 0.0
+        # what a real replica reports (agent/replica_main.py): an EWMA of its step time, which the router's
+        # cost weighs (a slow node's replicas cost more); here per segment, weighted by its steps
+        self.latency_ewma_ms = 0.0
         self.waiting: deque[SimSeq] = deque()
         self.prefilling: list[SimSeq] = []
         self.decoding: list[tuple[int, int, SimSeq]] = []  # heap (finish_at, n, seq)
@@ -203,6 +206,8 @@ class SimReplica:
         self.shared.slot_s += base * len(self.gpus) * full
         seconds = base * self.shared.factor(self.gpus) * self.slow
         self._seg = (now, now + seconds, kind, steps, base, full)
+        keep = 0.9 ** steps if self.latency_ewma_ms else 0.0
+        self.latency_ewma_ms = keep * self.latency_ewma_ms + (1 - keep) * 1000 * seconds / steps
         self.busy_until = now + seconds
         self.version += 1
         return True

@@ -69,7 +69,11 @@ class Simulation:
         self._block = {s.model: s.block_tokens for s in workload.streams}
         self._max_seq = {m: spec.max_seq_len for m, spec in self.catalogue.items()}
         self.too_long = 0  # requests longer than their model's max_seq_len, refused at the gateway
-        self.dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), self.models)
+        policy = router_policy(site)
+        for sampler in (policy, getattr(policy, "balance", None)):  # the policy's random draws: from the seed
+            if hasattr(sampler, "rng"):
+                sampler.rng.seed(seed)
+        self.dispatcher = Dispatcher(policy, dispatch_settings(site), self.models)
         # decoding replicas report progress well within the router's stall limit (real ones every ~20 ms)
         self.progress_every = min(10.0, self.dispatcher.settings.stall_limit / 4)
         self.router = SimRouter(self.dispatcher, lambda: self.now)
@@ -235,6 +239,7 @@ class Simulation:
         stats = []
         for rid, r in self.replicas.items():
             stats.append((rid, ReplicaStats(replica_id=rid, queue_depth=len(r.waiting),
+                                            latency_ewma_ms=r.latency_ewma_ms,
                                             running=len(r.prefilling) + r.n_decoding, kv_used=r.used / r.kv_tokens,
                                             requests_finished=r.finished, prefix_hit_tokens=r.hit_tokens,
                                             prefix_query_tokens=r.query_tokens, kv_blocks_cached=len(r.cache))))

@@ -213,3 +213,23 @@ def test_a_long_decode_reports_progress_within_the_stall_limit():
     times = [at for at, _, _ in reports]
     assert max(b - a for a, b in zip(times, times[1:])) < 21  # never silent for long
     assert 1 + sum(n for _, k, n in reports if k == "progress") < 1000  # the finish carries the rest
+
+
+def test_a_slow_replica_reports_its_step_time_and_runs_repeat():
+    """Replicas report an EWMA of their step time as real ones do (the router's cost weighs it, so a slow
+    node gets less work); the policy's random draws come from the seed, so a run repeats exactly."""
+    t = timings_for("a100-80gb")
+    ewma = {}
+    for slow in (1.0, 3.0):
+        r = SimReplica("m/r0", "m", t, max_batch=8, kv_tokens=100_000, block_tokens=64, chunk_tokens=512,
+                       step_tokens=8192, gpus=(("n", 0),), shared=SharedGpus(), slow=slow)
+        r.add(SimSeq("a", 600, 50, ()), 0.0)
+        while r.busy:
+            r.wake(r.busy_until)
+        ewma[slow] = r.latency_ewma_ms
+    assert ewma[3.0] == pytest.approx(3 * ewma[1.0]) and ewma[1.0] > 0
+    wl = parse_workload({"duration": "20s", "streams": [{"model": "llama-3.1-8b-instruct", "qps": 30,
+                                                         "prefix_groups": {"count": 5, "system_tokens": 256}}]})
+    runs = [Simulation(small_site(policy="power_of_two"), wl, seed=3).run() for _ in range(2)]
+    assert runs[0]["accepted"] > 400
+    assert [r["ttft_mean_s"] for r in runs] == [runs[0]["ttft_mean_s"]] * 2
