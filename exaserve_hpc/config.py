@@ -323,6 +323,13 @@ class EtcdConfig(_Section):
     client_port: int = Field(2379, ge=1, le=65535)  # members' ports on their node's address
     peer_port: int = Field(2380, ge=1, le=65535)
     interface: Optional[str] = None  # where members listen (an interface name or address); None: router.interface
+    # members: https with client certificates from a CA made per job run (ha/etcd_tls.py); false: plain http,
+    # which lets any user who reaches the port write the election key
+    tls: bool = True
+    # endpoints: the centre's CA and this service's client certificate and key (https), all three or none
+    ca_file: Optional[str] = None
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
 
     @model_validator(mode="after")
     def _one_source(self) -> "EtcdConfig":
@@ -331,6 +338,13 @@ class EtcdConfig(_Section):
                              "and endpoints (a centre's etcd: http://host:port ...)")
         if self.members and self.members not in (1, 3, 5):
             raise ValueError(f"members is {self.members}; allowed: 1, 3 or 5")
+        files = {"ca_file": self.ca_file, "cert_file": self.cert_file, "key_file": self.key_file}
+        if any(files.values()) and not all(files.values()):
+            raise ValueError(f"set all of ca_file, cert_file and key_file, or none (missing: "
+                             f"{', '.join(k for k, v in files.items() if not v)})")
+        if self.members and any(files.values()):
+            raise ValueError("ca_file, cert_file and key_file name a centre's etcd (endpoints); members started "
+                             "by exaserve launch get certificates made for the job (tls: true)")
         return self
 
 

@@ -8,9 +8,9 @@
     etcd.get(key)                               # KeyValue or None
 
 etcd3gw talks to one member; this class keeps one client per endpoint and moves to the next member
-when one does not answer (a lost node's member), so callers see one etcd. Every call is bounded by
-about `timeout` (silent members after the first are skipped once it has passed): a leader must learn it
-cannot renew before its lease runs out, never block long past it.
+when one does not answer (a lost node's member), so callers see one etcd. Each member is given
+`timeout` seconds; the member that answered is asked first from then on, so a lost member costs one
+timeout once. (A leader's gate does not wait for a call: election.acting() reads the clock.)
 Why etcd3gw and not a gRPC client: it needs only `requests`, and etcd 3.4's gateway serves /v3/.
 etcd's JSON carries int64 as strings, bytes as base64, and omits false and zero fields.
 """
@@ -20,13 +20,15 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
+import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw import exceptions as etcd_exceptions
+
+from .etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
 
@@ -60,8 +62,20 @@ def _range_end(prefix: str) -> str:
     return _b64(bytes(data))
 
 
+def _session(tls: Optional[TlsFiles]) -> requests.Session:
+    """Our own session, blind to the environment: REQUESTS_CA_BUNDLE (common on clusters) would replace the
+    job's CA in requests' verification, and an HTTP(S)_PROXY would send allocation-internal calls outside."""
+    session = requests.Session()
+    session.trust_env = False
+    if tls is not None:
+        session.verify = tls.ca
+        session.cert = (tls.cert, tls.key)
+    return session
+
+
 class EtcdClient:
-    def __init__(self, endpoints: list[str], timeout: float = 2.0):
+    def __init__(self, endpoints: list[str], timeout: float = 2.0, tls: Optional[TlsFiles] = None):
+        """tls: the CA to trust and the client certificate to present (https endpoints; etcd_tls.py)."""
         if not endpoints:
             raise ValueError("no etcd endpoint given (ha.etcd.endpoints, or members started by exaserve launch)")
         self.endpoints = list(endpoints)
@@ -70,7 +84,7 @@ class EtcdClient:
         for url in self.endpoints:
             parts = urlsplit(url)
             self._clients.append(Etcd3Client(host=parts.hostname, port=parts.port or 2379, protocol=parts.scheme,
-                                             timeout=timeout, api_path="/v3/"))
+                                             timeout=timeout, api_path="/v3/", session=_session(tls)))
         self._current = 0
         self._lock = threading.Lock()
 
@@ -79,10 +93,7 @@ class EtcdClient:
         errors = []
         with self._lock:
             start = self._current
-        began = time.monotonic()
         for i in range(len(self._clients)):
-            if i and time.monotonic() - began >= self.timeout:
-                break  # one call takes about `timeout` at most, however many members are silent
             index = (start + i) % len(self._clients)
             client = self._clients[index]
             try:

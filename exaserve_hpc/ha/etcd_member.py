@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..addresses import http_url
+from ..addresses import host_literal
 from .etcd_client import EtcdClient
+from .etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
 
@@ -40,21 +41,31 @@ class MemberSpec:
     client_port: int
     peer_port: int
     data_dir: str
+    tls: bool = False  # https for clients and peers, certificates required both ways (etcd_tls.py)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     @property
     def client_url(self) -> str:
-        return http_url(self.host, self.client_port)
+        return f"{self.scheme}://{host_literal(self.host)}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return http_url(self.host, self.peer_port)
+        return f"{self.scheme}://{host_literal(self.host)}:{self.peer_port}"
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY) -> list[str]:
-    """The etcd command line for `spec` in a new cluster of `cluster` (pure)."""
+def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY,
+                   tls: Optional[TlsFiles] = None) -> list[str]:
+    """The etcd command line for `spec` in a new cluster of `cluster` (pure). tls: this member's certificate."""
+    secure = [] if tls is None else [
+        "--cert-file", tls.cert, "--key-file", tls.key, "--client-cert-auth", "--trusted-ca-file", tls.ca,
+        "--peer-cert-file", tls.cert, "--peer-key-file", tls.key, "--peer-client-cert-auth",
+        "--peer-trusted-ca-file", tls.ca]
     return [binary, "--name", spec.name, "--data-dir", spec.data_dir,
             "--listen-client-urls", spec.client_url, "--advertise-client-urls", spec.client_url,
             "--listen-peer-urls", spec.peer_url, "--initial-advertise-peer-urls", spec.peer_url,
@@ -62,12 +73,15 @@ def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, bina
             "--initial-cluster-state", "new", "--initial-cluster-token", token,
             # the store only holds the election key and the fleet state: old revisions go
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",
-            "--logger", "zap", "--log-level", "warn", "--enable-v2=false"]
+            "--logger", "zap", "--log-level", "warn", "--enable-v2=false", *secure]
 
 
 class EtcdMember:
-    def __init__(self, spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY):
+    def __init__(self, spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY,
+                 tls: Optional[TlsFiles] = None, client_tls: Optional[TlsFiles] = None):
+        """tls: this member's certificate (spec.tls); client_tls: what wait_ready presents."""
         self.spec, self.cluster, self.token = spec, list(cluster), token
+        self.tls, self.client_tls = tls, client_tls
         self.binary = binary
         self.process: Optional[subprocess.Popen] = None
         self.log_path = Path(spec.data_dir).with_suffix(".log")
@@ -80,7 +94,7 @@ class EtcdMember:
         Path(self.spec.data_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         log_file = open(self.log_path, "ab")
         try:
-            self.process = subprocess.Popen(member_command(self.spec, self.cluster, self.token, binary),
+            self.process = subprocess.Popen(member_command(self.spec, self.cluster, self.token, binary, self.tls),
                                             stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                             start_new_session=True)  # a Ctrl-C to the rank is ours to relay
         finally:
@@ -91,7 +105,7 @@ class EtcdMember:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until the cluster answers through this member (a quorum has formed), or EtcdMemberError."""
-        client = EtcdClient([self.spec.client_url], timeout=1.0)
+        client = EtcdClient([self.spec.client_url], timeout=1.0, tls=self.client_tls or self.tls)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from ..addresses import AddressError, resolve_listen
@@ -33,6 +35,7 @@ from ..jobenv import JobEnvironment
 from .election import Deposed, Election
 from .etcd_client import EtcdClient, EtcdUnavailable
 from .etcd_member import EtcdMember, EtcdMemberError, MemberSpec
+from .etcd_tls import TlsError, TlsFiles, ensure_ca, issue
 from .fleet_store import FleetStateWriter, read_state
 from .follow import LeaderFollower, current_controller
 from .lease_policy import LeaseTiming
@@ -45,16 +48,26 @@ def etcd_prefix(job_id: str) -> str:
     return f"/exaserve/{job_id}"
 
 
-def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float) -> tuple[Optional[EtcdMember], list[str]]:
-    """This rank's member when it runs one, and every member's client URL (a centre's endpoints as given)."""
+def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
+               timeout: float) -> tuple[Optional[EtcdMember], list[str], Optional[TlsFiles]]:
+    """This rank's member when it runs one, every member's client URL (a centre's endpoints as given), and the
+    TLS files clients present (None: plain http). With tls, rank 0 makes the run's CA and the client
+    certificate before it names its member, so every rank finds them once all members are named."""
     cfg = site.ha.etcd
     if cfg.endpoints:
-        return None, list(cfg.endpoints)
+        files = [str(Path(os.path.expandvars(f)).expanduser()) for f in (cfg.ca_file, cfg.cert_file, cfg.key_file)]
+        return None, list(cfg.endpoints), TlsFiles(*files) if cfg.ca_file else None
     if rank.size < cfg.members:
         raise BootstrapError(f"ha.etcd.members is {cfg.members} but the job has {rank.size} ranks; allowed: at most "
                              "the job's nodes (one member a node)")
     run = f"etcd/restart-{rank.restart}"
     (jobdir.path / run).mkdir(parents=True, exist_ok=True, mode=0o700)
+    pki = jobdir.path / run / "pki"
+    try:
+        if cfg.tls and rank.rank == 0:
+            issue(pki, "client", ensure_ca(pki))
+    except TlsError as exc:
+        raise BootstrapError(f"ha.etcd.tls: {exc}") from exc
     if rank.rank < cfg.members:
         try:
             _, host = resolve_listen(None, cfg.interface or site.router.interface, rank.node,
@@ -62,7 +75,7 @@ def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float)
         except AddressError as exc:
             raise BootstrapError(str(exc)) from exc
         spec = MemberSpec(f"etcd-{rank.rank}", host, cfg.client_port, cfg.peer_port,
-                          str(jobdir.path / run / f"etcd-{rank.rank}"))
+                          str(jobdir.path / run / f"etcd-{rank.rank}"), tls=cfg.tls)
         jobdir.write_json(f"{run}/member-{rank.rank}.json", spec.to_json())
     deadline = time.monotonic() + timeout
     specs: list[Optional[MemberSpec]] = [None] * cfg.members
@@ -76,15 +89,22 @@ def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir, timeout: float)
     if missing:
         raise BootstrapError(f"rank {rank.rank}: etcd members of ranks {missing} did not report within "
                              f"{timeout:.0f}s in {jobdir.path / run}")
+    client = TlsFiles(str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key")) if cfg.tls else None
     member = None
     if rank.rank < cfg.members:
-        member = EtcdMember(specs[rank.rank], specs, token=f"exaserve-{rank.job_id}-{rank.restart}").start()
+        spec = specs[rank.rank]
+        try:
+            own = issue(pki, spec.name, (pki / "ca.crt", pki / "ca.key"), ips=[spec.host]) if cfg.tls else None
+        except TlsError as exc:
+            raise BootstrapError(f"ha.etcd.tls: {exc}") from exc
+        member = EtcdMember(spec, specs, token=f"exaserve-{rank.job_id}-{rank.restart}", tls=own,
+                            client_tls=client).start()
         try:
             member.wait_ready(timeout)
         except EtcdMemberError as exc:
             member.stop()
             raise BootstrapError(str(exc)) from exc
-    return member, [spec.client_url for spec in specs]
+    return member, [spec.client_url for spec in specs], client
 
 
 def job_curve_keys(jobdir: JobDir) -> CurveKeys:
@@ -188,8 +208,8 @@ class Candidate:
                                   interval=self.site.ha.state_interval).start()
         plane.add_stop_hook(writer.stop)
         watch = start_requeue_watch(plane, self.site, self.job, self.rank, self.jobdir, nodes, self.args)
-        if watch is not None:
-            plane.add_stop_hook(watch.stop)
+        if watch is not None:  # deposed: stop watching, and leave the companion jobs to the new leader
+            plane.add_stop_hook(lambda: watch.stop(release=not getattr(plane, "abandoned", "")))
         info = ControllerInfo(job_id=self.rank.job_id, restart=self.rank.restart, endpoint=plane.controller.endpoint,
                               gateway_url=plane.url, server_public_key=keys.server_public.decode() if keys else "",
                               nodes=nodes)
@@ -254,10 +274,10 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
     if site.router.count > 1:  # every rank says so, so the whole step ends rather than half of it waiting
         raise BootstrapError(f"ha.etcd with router.count {site.router.count}: several routers are not yet run "
                              "under elected controllers; allowed: router.count 1 with ha.etcd, or ha.etcd unset")
-    member, endpoints = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
+    member, endpoints, tls = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
     try:
         timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)
-        etcd = EtcdClient(endpoints, timeout=min(2.0, timing.renew_interval))
+        etcd = EtcdClient(endpoints, timeout=min(2.0, timing.renew_interval), tls=tls)
         print(f"exaserve: rank {rank.rank} on {rank.node}: etcd {','.join(endpoints)}"
               + (f" (member {member.spec.name} here)" if member else ""), flush=True)
         return Candidate(site, job, rank, jobdir, inventories, args, etcd).run()

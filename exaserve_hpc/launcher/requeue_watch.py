@@ -76,10 +76,13 @@ class RequeueWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, release: bool = True) -> None:
+        """release=False: a deposed leader's watch (ha/), whose companion jobs are the new leader's now."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(10)
+        if not release:
+            return
         try:
             self.job.release_requests()  # companions outliving their controller would hold nodes for nothing
         except JobEnvError as exc:

@@ -14,6 +14,7 @@ import time
 
 from exaserve_hpc.ha.election import Deposed, Election
 from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
+from exaserve_hpc.ha.etcd_tls import TlsFiles
 from exaserve_hpc.ha.lease_policy import LeaseTiming
 
 
@@ -28,9 +29,11 @@ def main() -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--ttl", type=float, default=2.0)
     p.add_argument("--probe-after-deposed", action="store_true")
+    p.add_argument("--tls", default="", help="CA,CERT,KEY of the client certificate")
     args = p.parse_args()
     timing = LeaseTiming.from_settings(args.ttl)
-    etcd = EtcdClient(args.endpoints.split(","), timeout=min(1.0, timing.renew_interval))
+    etcd = EtcdClient(args.endpoints.split(","), timeout=min(1.0, timing.renew_interval),
+                      tls=TlsFiles(*args.tls.split(",")) if args.tls else None)
     election = Election(etcd, args.prefix, args.name, timing,
                         on_elected=lambda e: say("elected", str(e.revision)),
                         on_deposed=lambda why: say("deposed", why)).start()

@@ -13,7 +13,9 @@ import subprocess
 
 import pytest
 
+from exaserve_hpc.ha.etcd_client import EtcdClient
 from exaserve_hpc.ha.etcd_member import EtcdMember, MemberSpec
+from exaserve_hpc.ha.etcd_tls import ensure_ca, issue
 
 
 def free_ports(count: int) -> list[int]:
@@ -38,9 +40,15 @@ def need_etcd() -> None:
 
 
 def start_cluster(base, host: str = "127.0.0.1", size: int = 3, token: str = "exaserve-test") -> list[EtcdMember]:
+    """A new cluster with TLS both ways, as `exaserve launch` starts one (certificates under base/pki)."""
     ports = free_ports(2 * size)
-    specs = [MemberSpec(f"etcd-{i}", host, ports[2 * i], ports[2 * i + 1], str(base / f"etcd-{i}")) for i in range(size)]
-    members = [EtcdMember(spec, specs, token).start() for spec in specs]
+    pki = base / "pki"
+    ca = ensure_ca(pki)
+    client = issue(pki, "client", ca)
+    specs = [MemberSpec(f"etcd-{i}", host, ports[2 * i], ports[2 * i + 1], str(base / f"etcd-{i}"), tls=True)
+             for i in range(size)]
+    members = [EtcdMember(spec, specs, token, tls=issue(pki, spec.name, ca, ips=[host]), client_tls=client).start()
+               for spec in specs]
     try:
         for member in members:
             member.wait_ready(30)
@@ -86,3 +94,20 @@ def netns(tmp_path):
     yield name, host_if, f"10.78.{n}.1"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+
+
+def client_for(members, **options) -> EtcdClient:
+    """A client of the fixture's cluster with the job's client certificate."""
+    return EtcdClient([m.spec.client_url for m in members], tls=members[0].client_tls, **options)
+
+
+def tls_args(members) -> list[str]:
+    """candidate.py's --tls CA,CERT,KEY for the fixture's cluster."""
+    t = members[0].client_tls
+    return ["--tls", f"{t.ca},{t.cert},{t.key}"]
+
+
+def tls_settings(members) -> dict:
+    """ha.etcd's ca_file, cert_file, key_file for the fixture's cluster (a centre's etcd, to the job)."""
+    t = members[0].client_tls
+    return {"ca_file": t.ca, "cert_file": t.cert, "key_file": t.key}

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from exaserve_hpc.ha.election import Deposed, Election
-from exaserve_hpc.ha.etcd_client import EtcdClient
+from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 from exaserve_hpc.ha.lease_policy import LeaseTiming
 
-from tests.ha.conftest import ip, need_etcd, start_cluster
+from tests.ha.conftest import client_for, ip, need_etcd, start_cluster, tls_args
 from tests.waiting import wait_for
 
 CANDIDATE = Path(__file__).with_name("candidate.py")
@@ -28,7 +28,7 @@ def urls(members) -> list[str]:
 
 def spawn(members, name: str, prefix: str, out: Path, netns: str = "", probe: bool = False) -> subprocess.Popen:
     command = [sys.executable, str(CANDIDATE), "--endpoints", ",".join(urls(members)), "--prefix", prefix,
-               "--name", name, "--ttl", str(TTL)] + (["--probe-after-deposed"] if probe else [])
+               "--name", name, "--ttl", str(TTL), *tls_args(members)] + (["--probe-after-deposed"] if probe else [])
     if netns:
         command = ["ip", "netns", "exec", netns] + command
     return subprocess.Popen(command, stdout=out.open("w"), stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
@@ -52,7 +52,7 @@ def last(rows, event):
 
 
 def test_one_leader_and_fenced_writes(etcd_cluster):
-    etcd = EtcdClient(urls(etcd_cluster))
+    etcd = client_for(etcd_cluster)
     timing = LeaseTiming.from_settings(TTL)
     a = Election(etcd, "/t/one", "a", timing)
     b = Election(etcd, "/t/one", "b", timing)
@@ -127,3 +127,17 @@ def test_partitioned_leader_stops_acting_before_the_standby_leads(netns, tmp_pat
     finally:
         for m in members:
             m.stop()
+
+
+def test_members_refuse_clients_without_the_jobs_certificate(etcd_cluster, tmp_path):
+    """Any user can reach the port: without a certificate from the job's CA, nothing is read or written."""
+    from exaserve_hpc.ha.etcd_tls import TlsFiles, ensure_ca, issue
+    assert all(u.startswith("https://") for u in urls(etcd_cluster))
+    assert client_for(etcd_cluster).healthy()
+    plain = EtcdClient([u.replace("https://", "http://") for u in urls(etcd_cluster)], timeout=1.0)
+    own = issue(tmp_path / "other", "stranger", ensure_ca(tmp_path / "other"))  # another CA's certificate
+    stranger = EtcdClient(urls(etcd_cluster), timeout=1.0,
+                          tls=TlsFiles(ca=etcd_cluster[0].client_tls.ca, cert=own.cert, key=own.key))
+    for client in (plain, stranger):
+        with pytest.raises(EtcdUnavailable):
+            client.put("/t/intruder", "x")

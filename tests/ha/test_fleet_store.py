@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from exaserve_hpc.controller_state import ControllerState, RolloutState
 from exaserve_hpc.ha.election import Election
-from exaserve_hpc.ha.etcd_client import EtcdClient
 from exaserve_hpc.ha.fleet_store import FleetStateWriter, decode_state, encode_state, read_state
 from exaserve_hpc.ha.lease_policy import LeaseTiming
+from tests.ha.conftest import client_for
 
 
 def sample(saved_at: float = 1.0, node: str = "n2") -> ControllerState:
@@ -22,7 +22,7 @@ def test_encode_round_trip():
 
 
 def test_leader_writes_new_leader_restores(etcd_cluster):
-    etcd = EtcdClient([m.spec.client_url for m in etcd_cluster])
+    etcd = client_for(etcd_cluster)
     timing = LeaseTiming.from_settings(2.0)
     prefix = "/t/state"
     a, b = Election(etcd, prefix, "a", timing), Election(etcd, prefix, "b", timing)

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from serve_harness import write_local_site
+from tests.ha.conftest import tls_settings
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -58,7 +59,7 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
     site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(tmp_path / "shm")},
                                  cluster={"nodes": 3, "nodelist": "nodea,nodeb,nodec"},
                                  heartbeat={"controller_timeout": "30s"}, model={"replicas": 3},
-                                 ha={"etcd": {"endpoints": endpoints}, "lease_ttl": f"{TTL:g}s",
+                                 ha={"etcd": {"endpoints": endpoints, **tls_settings(etcd_cluster)}, "lease_ttl": f"{TTL:g}s",
                                      "state_interval": "0.5s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]

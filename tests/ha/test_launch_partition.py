@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from serve_harness import write_local_site
-from tests.ha.conftest import ip, need_etcd, start_cluster
+from tests.ha.conftest import ip, need_etcd, start_cluster, tls_settings
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -66,7 +66,7 @@ def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):
     site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(tmp_path / "shm")},
                                  cluster={"nodes": 3, "nodelist": ",".join(NODES)},
                                  heartbeat={"controller_timeout": "60s"}, gateway={"host": "0.0.0.0"},
-                                 ha={"etcd": {"endpoints": [m.spec.client_url for m in members]},
+                                 ha={"etcd": {"endpoints": [m.spec.client_url for m in members], **tls_settings(members)},
                                      "lease_ttl": f"{TTL:g}s", "state_interval": "0.5s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]

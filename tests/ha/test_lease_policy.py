@@ -63,3 +63,8 @@ def test_etcd_settings_one_source():
             EtcdConfig(**bad)
     with pytest.raises(ValueError):
         EtcdConfig(endpoints=["etcd1:2379"])
+    assert EtcdConfig(members=3).tls is True  # the job's own CA unless turned off
+    with pytest.raises(ValueError, match="missing: key_file"):
+        EtcdConfig(endpoints=["https://etcd1:2379"], ca_file="ca.crt", cert_file="c.crt")
+    with pytest.raises(ValueError, match="name a centre's etcd"):
+        EtcdConfig(members=3, ca_file="a", cert_file="b", key_file="c")
