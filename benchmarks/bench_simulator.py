@@ -1,6 +1,6 @@
 """The simulator at the seed's scale: simulated seconds per wall second, and where the wall time goes.
 
-    python benchmarks/bench_simulator.py [--part exa256|small16|both] [--duration S] [--out DIR]
+    python benchmarks/bench_simulator.py [--part exa256|small16|both] [--duration S] [--small16 static dynamic] [--json OUT]
 
 exa256: exaserve simulate's core on exa256-a100 (256 nodes x 8 A100, 3,072 replicas placed by the real
 controller and held there, as --static: the autoscaler decides nothing, failover re-places) with the exa256-mix workload compressed so its diurnal peak (> 20,000 requests/s) falls in
@@ -70,17 +70,18 @@ def run(site_name: str, workload: Workload, duration: float, static: bool = Fals
         timer.wrap(sim.dispatcher, name, f"dispatcher.{name}")
     for name in ("handle", "tick"):
         timer.wrap(sim.ctl, name, f"controller.{name}")
-    arrive, last = sim._arrive, [0.0, 0.0]
+    arrive, last = sim._arrive, [0.0, 0.0, 0.0]
 
-    def arriving(now, *args):  # wall and simulated time of the last arrival: the ratio while load arrives
-        last[0], last[1] = time.perf_counter(), now
+    def arriving(now, *args):  # wall, CPU and simulated time of the last arrival: the ratio while load arrives
+        last[0], last[1], last[2] = time.perf_counter(), now, time.process_time()
         return arrive(now, *args)
     sim._arrive = arriving
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu0 = time.perf_counter(), time.process_time()
     s = sim.run()
-    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu0
     s.update(arrivals_wall_s=round(last[0] - t, 1),
-             ratio_arrivals=round((last[1] - sim.t0) / max(1e-9, last[0] - t), 3))
+             ratio_arrivals=round((last[1] - sim.t0) / max(1e-9, last[0] - t), 3),
+             ratio_arrivals_cpu=round((last[1] - sim.t0) / max(1e-9, last[2] - cpu0), 3))
     # The machine is shared: CPU seconds of this process say what the simulator costs, wall what it got.
     s.update(wall_s=round(wall, 1), ratio=round(s["simulated_s"] / wall, 3), cpu_s=round(cpu, 1),
              ratio_cpu=round(s["simulated_s"] / cpu, 3),
@@ -92,7 +93,7 @@ def run(site_name: str, workload: Workload, duration: float, static: bool = Fals
 
 
 def show(name: str, s: dict, target: str) -> None:
-    keys = ("simulated_s", "wall_s", "ratio", "arrivals_wall_s", "ratio_arrivals", "cpu_s", "ratio_cpu", "accepted", "completed", "lost", "failed", "retries",
+    keys = ("simulated_s", "wall_s", "ratio", "arrivals_wall_s", "ratio_arrivals", "ratio_arrivals_cpu", "cpu_s", "ratio_cpu", "accepted", "completed", "lost", "failed", "retries",
             "refused_too_long", "peak_qps", "replicas_placed_max", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "gpu_util_allocated",
             "us_per_request", "dispatcher_share", "controller_share", "inside", "nodes_lost", "requeue")
     print(f"\n{name} ({target})")
