@@ -323,6 +323,7 @@ class EtcdConfig(_Section):
     client_port: int = Field(2379, ge=1, le=65535)  # members' ports on their node's address
     peer_port: int = Field(2380, ge=1, le=65535)
     interface: Optional[str] = None  # where members listen (an interface name or address); None: router.interface
+    data_dir: Optional[str] = None  # members' data, node-local (not a shared filesystem); None: $TMPDIR or /tmp
     # members: https with client certificates from a CA made per job run (ha/etcd_tls.py); false: plain http,
     # which lets any user who reaches the port write the election key
     tls: bool = True

@@ -78,13 +78,16 @@ def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, bina
 
 class EtcdMember:
     def __init__(self, spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY,
-                 tls: Optional[TlsFiles] = None, client_tls: Optional[TlsFiles] = None):
-        """tls: this member's certificate (spec.tls); client_tls: what wait_ready presents."""
+                 tls: Optional[TlsFiles] = None, client_tls: Optional[TlsFiles] = None,
+                 log_path: Optional[Path] = None, remove_data: bool = False):
+        """tls: this member's certificate (spec.tls); client_tls: what wait_ready presents; log_path: etcd's
+        output (default beside the data directory); remove_data: the data directory goes at stop()."""
         self.spec, self.cluster, self.token = spec, list(cluster), token
         self.tls, self.client_tls = tls, client_tls
         self.binary = binary
         self.process: Optional[subprocess.Popen] = None
-        self.log_path = Path(spec.data_dir).with_suffix(".log")
+        self.log_path = Path(log_path) if log_path else Path(spec.data_dir).with_suffix(".log")
+        self.remove_data = remove_data
 
     def start(self) -> "EtcdMember":
         binary = shutil.which(self.binary)
@@ -119,15 +122,16 @@ class EtcdMember:
                               f"{self.log_path}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        log.info("etcd member %s stopped", self.spec.name)
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            log.info("etcd member %s stopped", self.spec.name)
+        if self.remove_data:
+            shutil.rmtree(self.spec.data_dir, ignore_errors=True)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -48,6 +48,14 @@ def etcd_prefix(job_id: str) -> str:
     return f"/exaserve/{job_id}"
 
 
+def member_data_dir(configured: Optional[str], rank: RankInfo, name: str) -> Path:
+    """Node-local by default ($TMPDIR, else /tmp): etcd fsyncs every write, which a shared filesystem makes slow
+    enough to cost elections. The cluster lives for one run, so nothing there needs to outlive the node."""
+    base = Path(os.path.expandvars(configured)).expanduser() if configured else \
+        Path(os.environ.get("TMPDIR") or "/tmp") / f"exaserve-etcd-{os.getuid()}"
+    return base / f"{rank.job_id}-{rank.restart}" / name
+
+
 def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
                timeout: float) -> tuple[Optional[EtcdMember], list[str], Optional[TlsFiles]]:
     """This rank's member when it runs one, every member's client URL (a centre's endpoints as given), and the
@@ -75,7 +83,7 @@ def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
         except AddressError as exc:
             raise BootstrapError(str(exc)) from exc
         spec = MemberSpec(f"etcd-{rank.rank}", host, cfg.client_port, cfg.peer_port,
-                          str(jobdir.path / run / f"etcd-{rank.rank}"), tls=cfg.tls)
+                          str(member_data_dir(cfg.data_dir, rank, f"etcd-{rank.rank}")), tls=cfg.tls)
         jobdir.write_json(f"{run}/member-{rank.rank}.json", spec.to_json())
     deadline = time.monotonic() + timeout
     specs: list[Optional[MemberSpec]] = [None] * cfg.members
@@ -97,8 +105,8 @@ def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
             own = issue(pki, spec.name, (pki / "ca.crt", pki / "ca.key"), ips=[spec.host]) if cfg.tls else None
         except TlsError as exc:
             raise BootstrapError(f"ha.etcd.tls: {exc}") from exc
-        member = EtcdMember(spec, specs, token=f"exaserve-{rank.job_id}-{rank.restart}", tls=own,
-                            client_tls=client).start()
+        member = EtcdMember(spec, specs, token=f"exaserve-{rank.job_id}-{rank.restart}", tls=own, client_tls=client,
+                            log_path=jobdir.path / run / f"{spec.name}.log", remove_data=True).start()
         try:
             member.wait_ready(timeout)
         except EtcdMemberError as exc:

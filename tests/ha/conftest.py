@@ -7,9 +7,11 @@ skipping them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
+from datetime import datetime
 
 import pytest
 
@@ -111,3 +113,12 @@ def tls_settings(members) -> dict:
     """ha.etcd's ca_file, cert_file, key_file for the fixture's cluster (a centre's etcd, to the job)."""
     t = members[0].client_tls
     return {"ca_file": t.ca, "cert_file": t.cert, "key_file": t.key}
+
+
+def logged_at(text: str, fragment: str) -> float:
+    """The time of the first log line holding `fragment` (logging's `YYYY-MM-DD HH:MM:SS,mmm` prefix)."""
+    for line in text.splitlines():
+        match = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", line)
+        if match and fragment in line:
+            return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(match.group(2)) / 1000
+    return 0.0

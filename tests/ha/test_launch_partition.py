@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from serve_harness import write_local_site
-from tests.ha.conftest import ip, need_etcd, start_cluster, tls_settings
+from tests.ha.conftest import ip, logged_at, need_etcd, start_cluster, tls_settings
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -48,15 +46,6 @@ def controller(job_dir: Path) -> dict:
         return json.loads((job_dir / "controller.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def logged_at(text: str, fragment: str) -> float:
-    """The time of the first log line holding `fragment` (logging's `YYYY-MM-DD HH:MM:SS,mmm` prefix)."""
-    for line in text.splitlines():
-        match = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", line)
-        if match and fragment in line:
-            return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(match.group(2)) / 1000
-    return 0.0
 
 
 def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):

@@ -14,11 +14,13 @@ import httpx
 import pytest
 import yaml
 
+from tests.ha.conftest import logged_at
+
 from .fleet import cluster, echo_site, remove_shared_dir, shared_dir, submit, wait_serving
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
-TTL = 3.0
+TTL = 5.0
 REPLICAS = 4
 
 
@@ -61,7 +63,7 @@ def test_leader_node_killed_a_standby_leads_and_the_fleet_serves_again(slurm_clu
         assert complete(first["gateway_url"]), job.log()
         time.sleep(1.5)  # the fleet state is in etcd (written on change, checked every 0.5 s)
 
-        killed = time.monotonic()
+        killed, killed_wall = time.monotonic(), time.time()
         cluster("kill-node", "n1")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and controller(job).get("endpoint") in (None, "", first["endpoint"]):
@@ -74,14 +76,17 @@ def test_leader_node_killed_a_standby_leads_and_the_fleet_serves_again(slurm_clu
             time.sleep(0.3)
         served = time.monotonic() - killed
         status = httpx.get(f"{new['gateway_url']}/v1/exaserve/status", timeout=10).json()
-        print(f"\nHA failover on the local Slurm cluster: new leader {new['endpoint']} published {published:.1f}s "
-              f"after n1 was killed (lease TTL {TTL:g}s), serving through its gateway {served:.1f}s after; "
+        leader_logs = "".join(p.read_text(errors="replace") for p in logs.glob("rank*.log"))
+        elected = max(logged_at(p.read_text(errors="replace"), " leads (election key") for p in logs.glob("rank*.log"))
+        print(f"\nHA failover on the local Slurm cluster: a standby elected {elected - killed_wall:.1f}s after n1 was "
+              f"killed (lease TTL {TTL:g}s), its controller published {published:.1f}s after, serving through its "
+              f"gateway {served:.1f}s after; "
               f"agents {sorted((a['agent_id'], a['state']) for a in status['agents'])}")
         assert served < 90, job.log()
-        assert published <= 2 * TTL + 5.0, job.log()  # two lease periods, plus building the plane
+        assert 0 < elected - killed_wall <= 2 * TTL, leader_logs[-3000:]  # within two lease periods
+        assert published <= 2 * TTL + 5.0, job.log()  # plus building the plane
         alive = {a["agent_id"] for a in status["agents"] if a["state"] == "alive"}
         assert alive == {"n2", "n3", "n4"}, status["agents"]
-        leader_logs = "".join(p.read_text(errors="replace") for p in logs.glob("rank*.log"))
         assert "restored the fleet state from etcd" in leader_logs, leader_logs[-3000:]
     finally:
         job.cancel()
