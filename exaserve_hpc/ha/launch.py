@@ -237,6 +237,24 @@ class Candidate:
 
     # ---------------------------------------------------------------- the rank
 
+    @property
+    def stopped_key(self) -> str:
+        return f"{self.prefix}/stopped/{self.rank.restart}"
+
+    def mark_stopped(self) -> None:
+        """The leader stopped the job (a signal, a requeue, a stop file): say so before resigning, so a standby
+        that wins the key next does not take over a fleet being stopped."""
+        try:
+            self.election.fenced_put({self.stopped_key: f"{self.rank.node} {time.time():.0f}"})
+        except (Deposed, EtcdUnavailable) as exc:
+            log.warning("could not mark the job stopped in etcd: %s", exc)
+
+    def job_stopped(self) -> bool:
+        try:
+            return self.etcd.get(self.stopped_key) is not None
+        except EtcdUnavailable:
+            return False
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGUSR1, self._on_stop_signal)
@@ -255,8 +273,13 @@ class Candidate:
                     return self.agent.exit_code  # drained by the leader's stop order, or lost its controller
                 if self.elected.is_set() and not self.stop_asked:
                     self.elected.clear()
+                    if self.job_stopped():
+                        self.stop_asked = True  # the leader stopped the job: this is no failover
+                        self.election.stop(resign=True)
+                        continue
                     code, deposed = self.lead()
                     if not deposed:
+                        self.mark_stopped()
                         return code  # the job stopped (signal, requeue): not a failover
                     signal.signal(signal.SIGTERM, self._on_stop_signal)
                     signal.signal(signal.SIGUSR1, self._on_stop_signal)

@@ -110,3 +110,32 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def test_a_job_stopped_by_its_leader_has_no_failover(etcd_cluster, tmp_path):
+    """The batch script's stop-requested file (or a signal, or a requeue) stops the job through the leader:
+    it drains every agent, marks the run stopped in etcd and resigns; no standby takes over, every rank
+    exits 0."""
+    site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(tmp_path / "shm")},
+                                 cluster={"nodes": 3, "nodelist": "nodea,nodeb,nodec"},
+                                 ha={"etcd": {"endpoints": [m.spec.client_url for m in etcd_cluster],
+                                              **tls_settings(etcd_cluster)}, "lease_ttl": f"{TTL:g}s"})
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / f"rank{r}.log" for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    try:
+        wait_for(lambda: sum(r["state"] == "serving" for r in status(job_dir).get("replicas", [])) >= 2, 120,
+                 "two serving replicas")
+        (job_dir / "stop-requested").touch()
+        codes = [p.wait(90) for p in ranks]
+        assert codes == [0, 0, 0], output()
+        # a standby may win the released key, but it reads the stop mark and builds no control plane
+        assert [" leads: controller" in p.read_text() for p in logs] == [True, False, False], output()
+    finally:
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
