@@ -200,6 +200,11 @@ class Candidate:
             replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
             restore_from=(resume,) if resume else ()))
         plane.controller.acting = self.election.acting
+        elected_at, endpoints = time.time(), list(self.etcd.endpoints)
+        plane.controller.ha_status = lambda: {
+            "leader": self.election.candidate, "node": self.rank.node, "elected_at": elected_at,
+            "election_revision": self.election.revision, "acting": self.election.acting(),
+            "lease_ttl": self.timing.ttl, "etcd": endpoints}
         self.plane = plane
         try:
             state = read_state(self.etcd, self.prefix)

@@ -122,6 +122,7 @@ class Controller(ControllerLoop):
         # The HA gate (ha/election.py): False once this controller is not surely the leader. Then it decides
         # nothing and sends nothing (controller_loop.py), so a deposed leader stops before a standby starts.
         self.acting: Callable[[], bool] = lambda: True
+        self.ha_status: Optional[Callable[[], dict]] = None
 
     # the fleet's tables, for readers that knew them here
     @property
@@ -188,7 +189,10 @@ class Controller(ControllerLoop):
 
     def status(self) -> dict:
         """The fleet as one JSON-ready dict for people (the gateway's /status, `exaserve status`), any thread."""
-        return controller_status(self)
+        status = controller_status(self)
+        if self.ha_status is not None:  # an elected controller (ha/): who leads, since when, through which etcd
+            status["ha"] = self.ha_status()
+        return status
 
     def snapshot(self) -> FleetSnapshot:
         """The fleet as typed values for other components (state keeper, requeue watch), any thread."""

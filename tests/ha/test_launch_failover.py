@@ -85,6 +85,8 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
         print(f"\nfailover under launch: new leader published {published:.2f}s after the kill, both surviving "
               f"agents registered {registered:.2f}s after (lease TTL {TTL:g}s); leader {new_log.stem}")
         text = new_log.read_text()
+        ha = after["ha"]  # exaserve status shows who leads
+        assert ha["leader"] == f"{new_log.stem}@{NODES[int(new_log.stem[-1])]}" and ha["acting"], ha
         assert "restored the fleet state from etcd" in text, output()
         assert published <= 2 * TTL + 3.0, output()  # two lease periods, plus building the plane
         known = {r["replica_id"] for r in after["replicas"]}
