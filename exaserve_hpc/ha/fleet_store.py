@@ -1,5 +1,5 @@
-"""The fleet's state in etcd: the checkpoint's content (placement, excluded nodes, rollouts, quota ledger
-position, prefix affinity) under PREFIX/fleet/state, written only by the leader, read by its successor.
+"""The fleet's state in etcd: the checkpoint's content (placement, excluded nodes, rollouts, the quota section:
+billed totals, fair-share usage, ledger positions; prefix affinity) under PREFIX/fleet/state, written only by the leader, read by its successor.
 
     write_state(election, prefix, state)      # fenced: Deposed once another candidate leads
     read_state(etcd, prefix)                  # ControllerState or None
@@ -37,6 +37,8 @@ def _content(state: ControllerState) -> dict:
             "placement": {r: list(v) for r, v in sorted(state.placement.items())},
             "affinity": {str(h): list(r) for h, r in sorted(state.affinity.items())},
             "quota": {g: list(v) for g, v in sorted(state.quota.items())},
+            "quota_usage": dict(sorted(state.quota_usage.items())), "quota_usage_at": state.quota_usage_at,
+            "ledger_offsets": dict(sorted(state.ledger_offsets.items())),
             "rollout": {m: [r.version, r.stage, r.weight] for m, r in sorted(state.rollout.items())},
             "excluded_nodes": sorted(state.excluded_nodes)}
 
@@ -54,6 +56,9 @@ def decode_state(data: bytes) -> ControllerState:
         placement={r: (m, n) for r, (m, n) in raw["placement"].items()},
         affinity={int(h): list(r) for h, r in raw["affinity"].items()},
         quota={g: (int(t), int(n)) for g, (t, n) in raw["quota"].items()},
+        quota_usage={g: float(u) for g, u in raw.get("quota_usage", {}).items()},
+        quota_usage_at=float(raw.get("quota_usage_at", 0.0)),
+        ledger_offsets={f: int(o) for f, o in raw.get("ledger_offsets", {}).items()},
         rollout={m: RolloutState(v, s, float(w)) for m, (v, s, w) in raw["rollout"].items()},
         excluded_nodes=list(raw["excluded_nodes"]))
 
