@@ -207,6 +207,7 @@ class PlaneSettings:
     drain_timeout: float = 10.0
     drain_wait: float = 20.0
     start_agent: bool = True                # False: this node's agent already runs (an HA candidate's, ha/launch.py)
+    restore_state: Any = None               # a ControllerState to start from before any checkpoint (ha/: etcd's)
 
 
 class ControlPlane:
@@ -287,6 +288,9 @@ class ControlPlane:
 
     def _restore(self) -> Optional[Path]:
         """A requeued (or successor) run starts from the state the previous run wrote."""
+        if self.settings.restore_state is not None:  # a new leader's: fresher than any periodic checkpoint
+            self.controller.restore(self.settings.restore_state)
+            return None
         for directory in (Path(self.settings.state_dir), *self.settings.restore_from):
             path = directory / CHECKPOINT_FILE
             if not path.exists():

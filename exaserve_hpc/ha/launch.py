@@ -193,12 +193,17 @@ class Candidate:
         keys = job_curve_keys(self.jobdir) if not self.args.no_curve and curve_available() else None
         resume = self.job.resume_dir()
         check_quota_accounts(self.site)
+        try:
+            state = read_state(self.etcd, self.prefix)  # the previous leader's, if there was one
+        except (EtcdUnavailable, ValueError) as exc:
+            state = None
+            log.warning("fleet state not read from etcd (%s); starting from the checkpoint or the plan", exc)
         plane = ControlPlane(self.site, PlaneSettings(
             node=self.rank.node, state_dir=self.jobdir.path, job_id=self.rank.job_id, restart=self.rank.restart,
             across_nodes=True, host=self.args.host, port=self.args.port, curve=keys, expected_agents=expected,
             node_index=self.rank.rank, start_agent=False, show_progress=False,
             replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
-            restore_from=(resume,) if resume else ()))
+            restore_from=(resume,) if resume else (), restore_state=state))
         plane.controller.acting = self.election.acting
         elected_at, endpoints = time.time(), list(self.etcd.endpoints)
         plane.controller.ha_status = lambda: {
@@ -206,13 +211,7 @@ class Candidate:
             "election_revision": self.election.revision, "acting": self.election.acting(),
             "lease_ttl": self.timing.ttl, "etcd": endpoints}
         self.plane = plane
-        try:
-            state = read_state(self.etcd, self.prefix)
-        except (EtcdUnavailable, ValueError) as exc:
-            state = None
-            log.warning("fleet state not read from etcd (%s); starting from the checkpoint or the plan", exc)
         if state is not None:
-            plane.controller.restore(state)
             line = (f"restored the fleet state from etcd ({len(state.placement)} replicas, excluded "
                     f"{','.join(state.excluded_nodes) or 'none'})")
             log.warning("%s", line)
