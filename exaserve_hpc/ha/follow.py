@@ -31,6 +31,14 @@ def current_controller(jobdir: JobDir, rank: RankInfo) -> Optional[ControllerInf
     return info if info.endpoint and not info.error else None
 
 
+def failed_start(jobdir: JobDir, rank: RankInfo) -> str:
+    """Why this run's first leader could not start its controller ("" when it did, or has not tried yet)."""
+    data = jobdir.read_json("controller.json")
+    if not data or data.get("job_id") != rank.job_id or data.get("restart") != rank.restart:
+        return ""
+    return str(data.get("error") or "")
+
+
 class LeaderFollower:
     def __init__(self, agent, jobdir: JobDir, rank: RankInfo, interval: float = 0.5):
         self.agent, self.jobdir, self.rank, self.interval = agent, jobdir, rank, interval

@@ -37,7 +37,7 @@ from .etcd_client import EtcdClient, EtcdUnavailable
 from .etcd_member import EtcdMember, EtcdMemberError, MemberSpec
 from .etcd_tls import TlsError, TlsFiles, ensure_ca, issue
 from .fleet_store import FleetStateWriter, read_state
-from .follow import LeaderFollower, current_controller
+from .follow import LeaderFollower, current_controller, failed_start
 from .lease_policy import LeaseTiming
 
 log = logging.getLogger("exaserve.ha")
@@ -198,12 +198,18 @@ class Candidate:
         except (EtcdUnavailable, ValueError) as exc:
             state = None
             log.warning("fleet state not read from etcd (%s); starting from the checkpoint or the plan", exc)
-        plane = ControlPlane(self.site, PlaneSettings(
-            node=self.rank.node, state_dir=self.jobdir.path, job_id=self.rank.job_id, restart=self.rank.restart,
-            across_nodes=True, host=self.args.host, port=self.args.port, curve=keys, expected_agents=expected,
-            node_index=self.rank.rank, start_agent=False, show_progress=False,
-            replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
-            restore_from=(resume,) if resume else (), restore_state=state))
+        try:
+            plane = ControlPlane(self.site, PlaneSettings(
+                node=self.rank.node, state_dir=self.jobdir.path, job_id=self.rank.job_id, restart=self.rank.restart,
+                across_nodes=True, host=self.args.host, port=self.args.port, curve=keys, expected_agents=expected,
+                node_index=self.rank.rank, start_agent=False, show_progress=False,
+                replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
+                restore_from=(resume,) if resume else (), restore_state=state))
+        except Exception as exc:
+            if previous is None:  # the first leader: as without HA, every rank stops instead of waiting
+                publish_controller(self.rank, self.jobdir, ControllerInfo(
+                    job_id=self.rank.job_id, restart=self.rank.restart, endpoint="", nodes=nodes, error=str(exc)))
+            raise  # a later leader's failure ends this rank only: another candidate leads
         plane.controller.acting = self.election.acting
         elected_at, endpoints = time.time(), list(self.etcd.endpoints)
         plane.controller.ha_status = lambda: {
@@ -292,6 +298,10 @@ class Candidate:
                     info = current_controller(self.jobdir, self.rank)
                     if info is not None:
                         self.ensure_agent(info)
+                    elif failed_start(self.jobdir, self.rank):
+                        raise BootstrapError(f"rank {self.rank.rank} on {self.rank.node}: the first leader could "
+                                             f"not start the controller, so this rank stops too: "
+                                             f"{failed_start(self.jobdir, self.rank)}")
                 time.sleep(0.2)
         finally:
             if campaigning:

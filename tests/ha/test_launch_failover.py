@@ -141,3 +141,28 @@ def test_a_job_stopped_by_its_leader_has_no_failover(etcd_cluster, tmp_path):
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def test_a_controller_that_cannot_start_stops_every_rank(etcd_cluster, tmp_path):
+    """As without HA: the first leader's control plane fails to build (a gateway interface this node lacks),
+    it says so in controller.json, and every rank exits non-zero naming the setting, none left waiting."""
+    site_file = write_local_site(tmp_path, weight_cache={"l2_path": str(tmp_path / "shm")},
+                                 cluster={"nodes": 3, "nodelist": "nodea,nodeb,nodec"},
+                                 gateway={"interface": "nosuchif0"},
+                                 ha={"etcd": {"endpoints": [m.spec.client_url for m in etcd_cluster],
+                                              **tls_settings(etcd_cluster)}, "lease_ttl": f"{TTL:g}s"})
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / f"rank{r}.log" for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    try:
+        codes = [p.wait(60) for p in ranks]
+        output = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)
+        assert all(code != 0 for code in codes), output
+        assert all("nosuchif0" in p.read_text() for p in logs), output
+    finally:
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
