@@ -95,7 +95,7 @@ def run(site_name: str, workload: Workload, duration: float, static: bool = Fals
 def show(name: str, s: dict, target: str) -> None:
     keys = ("simulated_s", "wall_s", "ratio", "arrivals_wall_s", "ratio_arrivals", "ratio_arrivals_cpu", "cpu_s", "ratio_cpu", "accepted", "completed", "lost", "failed", "retries",
             "refused_too_long", "peak_qps", "replicas_placed_max", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "gpu_util_allocated",
-            "us_per_request", "dispatcher_share", "controller_share", "inside", "nodes_lost", "requeue")
+            "by_model", "us_per_request", "dispatcher_share", "controller_share", "inside", "nodes_lost", "requeue")
     print(f"\n{name} ({target})")
     for k in keys:
         print(f"  {k:22s} {s.get(k)}")

@@ -81,19 +81,34 @@ class Recorder:
     e2e_all: Histogram = field(default_factory=Histogram)
     events: list[tuple[float, str]] = field(default_factory=list)  # failures and recovery, in order
     errors: dict[str, int] = field(default_factory=dict)  # failed requests by error code
+    per_model: dict = field(default_factory=dict)  # model -> (TTFT histogram, end-to-end histogram)
     work_s: float = 0.0  # GPU-seconds of work up to the last sample
     gpu_seconds_allocated: float = 0.0
     hit: int = 0
     query: int = 0
 
-    def first_token(self, latency: float) -> None:
+    def first_token(self, latency: float, model: str = "") -> None:
         self.ttft.append(latency)
         self.ttft_all.add(latency)
+        self._model(model)[0].add(latency)
 
-    def done(self, latency: float) -> None:
+    def done(self, latency: float, model: str = "") -> None:
         self.completed += 1
         self.e2e.append(latency)
         self.e2e_all.add(latency)
+        self._model(model)[1].add(latency)
+
+    def _model(self, model: str) -> tuple:
+        hists = self.per_model.get(model)
+        if hists is None:
+            hists = self.per_model[model] = (Histogram(), Histogram())
+        return hists
+
+    def by_model(self) -> dict:
+        """Per model: requests completed, TTFT and end-to-end p50 / p99 (one model can miss what the mix holds)."""
+        return {m: {"completed": e.n, "ttft_p50_s": t.quantile(0.5), "ttft_p99_s": t.quantile(0.99),
+                    "e2e_p50_s": e.quantile(0.5), "e2e_p99_s": e.quantile(0.99)}
+                for m, (t, e) in sorted(self.per_model.items())}
 
     def error(self, code: str) -> None:
         self.failed += 1

@@ -124,6 +124,9 @@ def write_report(out: Path, summary: dict, samples, events, t0: float, wall_s: f
             ("nodes lost", ", ".join(summary["nodes_lost"]) or "none"),
             ("requeue decision", summary["requeue"]["why"] if summary["requeue"] else "none")]
     lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += ["", "| model | completed | TTFT p50 / p99 (s) | end-to-end p50 / p99 (s) |", "|---|---|---|---|"]
+    lines += [f"| {m} | {f['completed']} | {_fmt(f['ttft_p50_s'])} / {_fmt(f['ttft_p99_s'])} | "
+              f"{_fmt(f['e2e_p50_s'])} / {_fmt(f['e2e_p99_s'])} |" for m, f in summary.get("by_model", {}).items()]
     if comparison:
         lines += ["", "## Static vs dynamic", "", comparison["text"], "",
                   "| run | GPU utilisation | batch-weighted | GPU-hours held | TTFT p50 / p99 | e2e p99 | SLO held | lost |",

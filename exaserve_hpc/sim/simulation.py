@@ -148,10 +148,10 @@ class Simulation:
                     if info is None:
                         continue
                     if info[2] < 0:
-                        rec.first_token(now - info[1])
+                        rec.first_token(now - info[1], info[0].model)
                         info[2] = now
                     if m.finished:
-                        rec.done(now - info[1])
+                        rec.done(now - info[1], info[0].model)
                         del self.requests[rid]
                 elif isinstance(m, RequestError):
                     if self.requests.pop(rid, None) is not None:
@@ -364,6 +364,6 @@ class Simulation:
             "slo": {"ttft_p99_s": self.workload.slo_ttft_p99, "e2e_p99_s": self.workload.slo_e2e_p99},
             "slo_held": (rec.ttft_all.quantile(0.99) <= self.workload.slo_ttft_p99
                          and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99),  # latency; `lost` apart
-            "static": self.static,
+            "static": self.static, "by_model": rec.by_model(),
         }
 

@@ -41,6 +41,8 @@ def test_cli_simulate_writes_report_and_loses_nothing(tmp_path):
                  "failures.png"):
         assert (out / name).stat().st_size > 500, name
     assert "## Failures and recovery" in (out / "report.md").read_text()
+    model = s["by_model"]["llama-3.1-8b-instruct"]
+    assert model["completed"] == s["completed"] and model["ttft_p99_s"] == pytest.approx(s["ttft_p99_s"])
 
 
 def test_static_keeps_the_plan_and_dynamic_scales_down():
