@@ -129,12 +129,14 @@ def write_report(out: Path, summary: dict, samples, events, t0: float, wall_s: f
               f"{_fmt(f['e2e_p50_s'])} / {_fmt(f['e2e_p99_s'])} |" for m, f in summary.get("by_model", {}).items()]
     if comparison:
         lines += ["", "## Static vs dynamic", "", comparison["text"], "",
-                  "| run | GPU utilisation | batch-weighted | GPU-hours held | TTFT p50 / p99 | e2e p99 | SLO held | lost |",
+                  "| run | GPU utilisation | batch-weighted | GPU-hours held | TTFT p50 / p99 | e2e p99 | SLO held "
+                  "| lost |",
                   "|---|---|---|---|---|---|---|---|"]
         for name in ("static", "dynamic"):
             c = comparison[name]
             lines.append(f"| {name} | {c['gpu_util_allocated']:.1%} | {c['gpu_batch_occupancy']:.1%} | "
-                         f"{c['gpu_seconds_allocated'] / 3600:.1f} | {_fmt(c['ttft_p50_s'])} / {_fmt(c['ttft_p99_s'])} s | "
+                         f"{c['gpu_seconds_allocated'] / 3600:.1f} | "
+                         f"{_fmt(c['ttft_p50_s'])} / {_fmt(c['ttft_p99_s'])} s | "
                          f"{_fmt(c['e2e_p99_s'])} s | {c['slo_held']} | {c['lost']} |")
     lines += ["", "## Failures and recovery", ""] + [f"- {at - t0:.0f} s: {text}" for at, text in events] + [""]
     for name in images:

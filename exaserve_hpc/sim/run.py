@@ -62,7 +62,8 @@ def comparison_text(static: dict, dynamic: dict) -> dict:
             f"{static['gpu_util_allocated']:.1%}, dynamic {dynamic['gpu_util_allocated']:.1%} "
             f"({gain:+.1f} points); weighted by batch occupancy (sequences / max_batch_size) static "
             f"{static['gpu_batch_occupancy']:.1%}, dynamic {dynamic['gpu_batch_occupancy']:.1%} "
-            f"({100 * (dynamic['gpu_batch_occupancy'] - static['gpu_batch_occupancy']):+.1f} points); GPU-hours held {static['gpu_seconds_allocated'] / 3600:.1f} vs "
+            f"({100 * (dynamic['gpu_batch_occupancy'] - static['gpu_batch_occupancy']):+.1f} points); "
+            f"GPU-hours held {static['gpu_seconds_allocated'] / 3600:.1f} vs "
             f"{dynamic['gpu_seconds_allocated'] / 3600:.1f}; requests completed per GPU-hour held "
             f"{per_gpu_hour(static):.0f} vs {per_gpu_hour(dynamic):.0f}. Busy time counts a step of a small batch "
             f"as fully as one of a full batch, so requests per GPU-hour is the efficiency figure. ")
@@ -73,7 +74,8 @@ def comparison_text(static: dict, dynamic: dict) -> dict:
     else:
         text += f"Both held the SLO; the +20-point claim {'holds' if gain >= 20 else 'does not hold'} on this workload."
     return {"static": static, "dynamic": dynamic, "gain_points": round(gain, 1),
-            "occupancy_gain_points": round(100 * (dynamic["gpu_batch_occupancy"] - static["gpu_batch_occupancy"]), 1), "slo_held_both": both, "text": text}
+            "occupancy_gain_points": round(100 * (dynamic["gpu_batch_occupancy"] - static["gpu_batch_occupancy"]), 1),
+            "slo_held_both": both, "text": text}
 
 
 def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
@@ -100,7 +102,8 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
                       f"{summary['completed']} completed, {summary['lost']} lost; TTFT p50/p99 "
                       f"{summary['ttft_p50_s']:.3f}/{summary['ttft_p99_s']:.3f} s, e2e p50/p99 "
                       f"{summary['e2e_p50_s']:.2f}/{summary['e2e_p99_s']:.2f} s; GPU utilisation "
-                      f"{summary['gpu_util_allocated']:.1%} (batch-weighted {summary['gpu_batch_occupancy']:.1%}); SLO {'held' if summary['slo_held'] else 'NOT held'}",
+                      f"{summary['gpu_util_allocated']:.1%} (batch-weighted {summary['gpu_batch_occupancy']:.1%}); "
+                      f"SLO {'held' if summary['slo_held'] else 'NOT held'}",
                       highlight=False)
     comparison = comparison_text(results["static"][1], results["dynamic"][1]) if len(runs) == 2 else None
     if comparison:

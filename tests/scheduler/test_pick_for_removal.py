@@ -45,7 +45,8 @@ def test_matches_the_rule_on_random_fleets():
         n = rng.randint(0, 40)
         records, routed, group_of = fleet(rng, n, rng.randint(1, 8), rng.randint(1, 4))
         count = rng.randint(0, n + 2)
-        assert pick_for_removal(records, routed, count, group_of) == by_the_rule(records, routed, count, group_of), trial
+        chosen = pick_for_removal(records, routed, count, group_of)
+        assert chosen == by_the_rule(records, routed, count, group_of), trial
 
 
 def test_spread_holds_when_all_are_alike():
