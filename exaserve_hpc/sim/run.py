@@ -72,7 +72,10 @@ def comparison_text(static: dict, dynamic: dict) -> dict:
             f"the {n} run did not hold the SLO" for n, s in (("static", static), ("dynamic", dynamic))
             if not s["slo_held"]) + ".")
     else:
-        text += f"Both held the SLO; the +20-point claim {'holds' if gain >= 20 else 'does not hold'} on this workload."
+        occupancy = 100 * (dynamic["gpu_batch_occupancy"] - static["gpu_batch_occupancy"])
+        verdict = {(True, True): "holds on both measures", (False, False): "holds on neither measure",
+                   (True, False): "holds on busy time only", (False, True): "holds batch-weighted only"}
+        text += f"Both held the SLO; the +20-point claim {verdict[gain >= 20, occupancy >= 20]} on this workload."
     return {"static": static, "dynamic": dynamic, "gain_points": round(gain, 1),
             "occupancy_gain_points": round(100 * (dynamic["gpu_batch_occupancy"] - static["gpu_batch_occupancy"]), 1),
             "slo_held_both": both, "text": text}
