@@ -182,7 +182,7 @@ def write_state(run_dir: Path, url: str, site: SiteConfig, routers: Optional[lis
     state = {"url": url, "pid": os.getpid(), "site": site.site, "started": time.time()}
     if routers:
         state["routers"] = routers
-        state["gateways"] = [r["gateway"] for r in routers if r.get("gateway")]
+        state["gateways"] = [r["gateway"] for r in routers if r.get("gateway") and r.get("state") != "lost"]
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     return path
@@ -208,6 +208,11 @@ class PlaneSettings:
     drain_wait: float = 20.0
     start_agent: bool = True                # False: this node's agent already runs (an HA candidate's, ha/launch.py)
     restore_state: Any = None               # a ControllerState to start from before any checkpoint (ha/: etcd's)
+    # ha/ with router.count > 1: this rank's running router (launcher/router_rank.py's RankRouter), used as
+    # router 0 and left running when the plane stops; its gateway's URL; nodes whose routers are not adopted
+    local_router: Any = None
+    local_gateway: str = ""
+    lost_nodes: tuple[str, ...] = ()
 
 
 class ControlPlane:
@@ -256,8 +261,12 @@ class ControlPlane:
         self._closers.append(self.listener.close)
         self.url = http_url(publish, self.listener.getsockname()[1])
 
-        self.router = make_router(site, router_bind, site.router.frontend_port, site.router.backend_port, s.curve)
-        self._closers.append(self.router.stop)
+        if s.local_router is not None and site.router.count > 1:  # an HA leader's own rank's router
+            self.router = s.local_router
+        else:
+            self.router = make_router(site, router_bind, site.router.frontend_port, site.router.backend_port,
+                                      s.curve)
+            self._closers.append(self.router.stop)
         self.routers = None  # several routers sharing the fleet (router.count > 1; several_routers.py)
         if site.router.count > 1:
             from .several_routers import SeveralRouters
@@ -284,7 +293,7 @@ class ControlPlane:
                 gateway.port if s.port is None else s.port)
             self.add_stop_hook(self.routers.stop_gateways)
         if self.routers is not None:
-            self.router.gateways[0] = self.url
+            self.router.gateways[0] = s.local_gateway or self.url
 
     def _restore(self) -> Optional[Path]:
         """A requeued (or successor) run starts from the state the previous run wrote."""
@@ -385,7 +394,7 @@ class ControlPlane:
         """Each router's endpoints and gateway (router.count > 1; None with one router)."""
         if self.routers is None:
             return None
-        return [{k: r[k] for k in ("index", "frontend", "backend", "gateway")}
+        return [{k: r[k] for k in ("index", "frontend", "backend", "gateway", "state")}
                 for r in self.router.snapshot()["routers"]]
 
     def abandon(self, why: str) -> None:

@@ -14,6 +14,10 @@ node's agent connects; placement waits for every node's agent, so the group (whi
 whenever the fleet asks for the routers' endpoints, until all have come) knows every router before the
 first replica starts. A router that never registers is logged and left out: replicas connect to the
 others.
+
+With `ha.etcd` (ha/launch.py) router k runs on rank k whoever leads; the leader's plane takes its own
+rank's router as router 0 of its group (PlaneSettings.local_router, not stopped with the plane) and adopts
+every other registration of this run except those of lost nodes (ha/adoption.py).
 """
 
 from __future__ import annotations
@@ -54,16 +58,11 @@ def run_tag(job_id: str, restart: int) -> str:
 class SeveralRouters:
     def __init__(self, site, router0, router_bind: str, settings, make_router: Callable[[int, int], object]):
         """make_router(frontend_port, backend_port) -> a started ZmqRouter (serve's routers 1..N-1)."""
-        if settings.across_nodes and site.ha.etcd is not None:
-            # ha/launch.py places controller candidates on the first ranks, where router ranks would run
-            from .control_plane import ControlPlaneError
-            raise ControlPlaneError(f"router.count {site.router.count} with ha.etcd: several routers do not run "
-                                    "beside elected controllers yet; allowed: router.count 1 with ha.etcd, or no "
-                                    "ha.etcd")
         self.site = site
         self.count = site.router.count
         self.local = [router0]  # routers in this process, router 0 first
-        self.group = RouterGroup([router0])
+        # An HA leader's router 0 is its own rank's, which outlives the leadership (settings.local_router)
+        self.group = RouterGroup([router0], borrowed=(router0,) if settings.local_router is not None else ())
         self._servers: list = []
         self.on_change: Callable[[], None] = lambda: None  # a router joined (launch): serve.json is written again
         if not settings.across_nodes:
@@ -74,9 +73,13 @@ class SeveralRouters:
                 self.local.append(router)
                 self.group.add(router)
         else:
+            from .ha.adoption import adoptable_ranks
             self._discovery = RouterDiscovery(self.group, Path(settings.state_dir),
-                                              run_tag(settings.job_id, settings.restart), range(1, self.count),
-                                              settings.curve, on_joined=lambda: self.on_change())
+                                              run_tag(settings.job_id, settings.restart),
+                                              adoptable_ranks(self.count, settings.node_index if
+                                                              settings.local_router is not None else 0),
+                                              settings.curve, on_joined=lambda: self.on_change(),
+                                              lost_nodes=settings.lost_nodes)
             self.group.discover = self._discovery.poll
 
     # ---------------------------------------------------------------- serve's extra gateways
@@ -117,8 +120,10 @@ class RouterDiscovery:
     """Rank 0: adds each router rank's registration (JOBDIR/routers/rank-K.json) to the group once."""
 
     def __init__(self, group: RouterGroup, job_dir: Path, tag: str, ranks, curve=None,
-                 clock: Callable[[], float] = time.monotonic, on_joined: Callable[[], None] = lambda: None):
+                 clock: Callable[[], float] = time.monotonic, on_joined: Callable[[], None] = lambda: None,
+                 lost_nodes=()):
         self.group, self.job_dir, self.tag, self.curve, self.clock = group, job_dir, tag, curve, clock
+        self.lost_nodes = tuple(lost_nodes)  # an HA leader adopts no router of a lost node (the old leader's)
         self.on_joined = on_joined
         self.missing = set(ranks)
         self._next = 0.0
@@ -131,10 +136,15 @@ class RouterDiscovery:
         with self._lock:
             self._next = self.clock() + DISCOVER_EVERY
             from .bootstrap import JobDir
+            from .ha.adoption import adopt
             from .router.router_link import RemoteRouter
             for rank in sorted(self.missing):
                 info: Optional[dict] = JobDir(self.job_dir).read_json(router_file(rank))
-                if not info or info.get("run") != self.tag:
+                if info and info.get("run") == self.tag and info.get("node") in self.lost_nodes:
+                    self.missing.discard(rank)  # this run's, on a lost node: never adopted
+                    log.warning("router of rank %d on %s left out: its node is lost", rank, info.get("node"))
+                    continue
+                if not adopt(info, self.tag, self.lost_nodes):
                     continue
                 self.missing.discard(rank)
                 self.group.add(RemoteRouter(info, curve=self.curve).start(), info.get("gateway_url", ""))

@@ -36,6 +36,7 @@ import zmq
 from ..cache.checkpoint import CheckpointError
 from ..cache.l2_shm import L2Cache, L2Full, read_l2_page_note
 from ..engine.registry import ENGINES
+from ..ha.adoption import backends, must_restart
 from ..protocol import (
     AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
     StopReplica, encode, receive_pending,
@@ -230,10 +231,12 @@ class NodeAgent:
     def start(self, spec: StartReplica) -> None:
         existing = self.replicas.get(spec.replica_id)
         if existing is not None and not existing.finished:
-            if (existing.spec.router_backend, existing.spec.router_backends) != (spec.router_backend,
-                                                                                spec.router_backends):
+            if must_restart(backends(existing.spec.router_backend, existing.spec.router_backends),
+                            backends(spec.router_backend, spec.router_backends)):
                 # A new leader's routers (ha/): the running process cannot reach them. It drains and exits,
                 # and starts again here for them (_reap), as the same replica: no stop reaches the controller.
+                # With several routers, a new leader that adopted the surviving ones names only routers this
+                # replica already serves: it is kept (ha/adoption.py).
                 log.warning("replica %s runs for router %s, now asked for %s: restarting it", spec.replica_id,
                             existing.spec.router_backend, spec.router_backend)
                 self._replacing[spec.replica_id] = spec

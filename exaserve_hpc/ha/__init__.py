@@ -8,4 +8,5 @@
     fleet_store.py   the fleet state (the checkpoint's content) under the job's etcd prefix
     launch.py        `exaserve launch` with `ha.etcd`: members, candidates, the leader's control plane
     follow.py        agents re-register with the leader the job directory names
+    adoption.py      pure: with several routers, which a new leader adopts and which replicas it keeps
 """

@@ -11,6 +11,11 @@ under the job's etcd prefix. A deposed leader closes its plane without draining 
 the new leader's) and campaigns again; a stopped job (signal, requeue) stops as without HA and resigns, so
 no standby takes over a fleet being stopped. Rank 0 campaigns first; the others wait for the first
 controller.json (or two lease periods), so the usual leader is where it is without HA.
+
+With `router.count` N > 1, ranks 0 .. N-1 each run router k and gateway k for the whole run (RankRouter,
+launcher/router_rank.py), registered before their agent connects. The leader's plane takes its own rank's
+router as its local one and adopts the others' but a lost node's (adoption.py); replicas whose routers
+survive are kept, so the surviving gateways serve on through the loss of the leader's node.
 """
 
 from __future__ import annotations
@@ -139,6 +144,7 @@ class Candidate:
         self.agent_thread: Optional[threading.Thread] = None
         self.follower: Optional[LeaderFollower] = None
         self.plane = None
+        self.rank_router = None  # router k + gateway k on rank k < router.count: the rank's, whoever leads
         self.stop_asked = False
         self.elected = threading.Event()
         self.election = Election(etcd, self.prefix, f"rank{rank.rank}@{rank.node}", self.timing,
@@ -157,12 +163,23 @@ class Candidate:
         self.follower = LeaderFollower(self.agent, self.jobdir, self.rank).start()
         print(f"exaserve: rank {self.rank.rank} on {self.rank.node}: agent joined {info.endpoint}", flush=True)
 
+    def ensure_router(self, keys: Optional[CurveKeys]) -> None:
+        """Router k and gateway k (router.count > 1, rank k < N), registered before this rank's agent
+        connects (placement waits for every agent, so the leader knows every router before replicas start).
+        Started once: a leader uses it as its local router; losing or winning the lead leaves it serving."""
+        from ..launcher.router_rank import RankRouter
+        if self.rank_router is None and self.site.router.count > 1 and self.rank.rank < self.site.router.count:
+            self.rank_router = RankRouter(self.site, self.rank, self.jobdir, self.args, keys,
+                                          lambda: current_controller(self.jobdir, self.rank))
+
     def _on_stop_signal(self, sig, frame) -> None:
         """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
         from ..launcher.rank import AGENT_STOP_GRACE
         print(f"exaserve: {signal.Signals(sig).name}: stopping (by the leader's order, or in "
               f"{AGENT_STOP_GRACE:.0f}s)", flush=True)
         self.stop_asked = True
+        if self.rank_router is not None:  # this gateway stops taking requests at once (as a router rank's)
+            self.rank_router.stop_gateway()
         signal.setitimer(signal.ITIMER_REAL, AGENT_STOP_GRACE)
 
     def _grace_over(self, *_) -> None:
@@ -183,6 +200,7 @@ class Candidate:
         previous = current_controller(self.jobdir, self.rank)
         nodes = list(previous.nodes) if previous else self.nodes
         expected = nodes or None
+        old = None  # the node of the leader before this one (a failover), whose router is not adopted
         if previous is not None:  # a failover: placement waits for every node but the old leader's
             try:
                 kv = self.etcd.get(f"{self.prefix}/controller")
@@ -191,6 +209,8 @@ class Candidate:
                 old = None
             expected = [n for n in nodes if n != old] or None
         keys = job_curve_keys(self.jobdir) if not self.args.no_curve and curve_available() else None
+        self.ensure_router(keys)
+        local = self.rank_router
         resume = self.job.resume_dir()
         check_quota_accounts(self.site)
         try:
@@ -201,7 +221,11 @@ class Candidate:
         try:
             plane = ControlPlane(self.site, PlaneSettings(
                 node=self.rank.node, state_dir=self.jobdir.path, job_id=self.rank.job_id, restart=self.rank.restart,
-                across_nodes=True, host=self.args.host, port=self.args.port, curve=keys, expected_agents=expected,
+                across_nodes=True, host=self.args.host, curve=keys, expected_agents=expected,
+                # with this rank's gateway k on gateway.port, the leader's own (admin, fleet status) takes any port
+                port=0 if local is not None else self.args.port,
+                local_router=local.router if local else None, local_gateway=local.url if local else "",
+                lost_nodes=(old,) if old else (),
                 node_index=self.rank.rank, start_agent=False, show_progress=False,
                 replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
                 restore_from=(resume,) if resume else (), restore_state=state))
@@ -222,6 +246,8 @@ class Candidate:
                     f"{','.join(state.excluded_nodes) or 'none'})")
             log.warning("%s", line)
             print(f"exaserve: {line}", flush=True)
+        if local is not None:  # a stop of the job (not a deposition) stops this rank's gateway taking requests
+            plane.add_stop_hook(lambda: None if getattr(plane, "abandoned", "") else local.stop_gateway())
         writer = FleetStateWriter(self.election, self.prefix, plane.keeper.state,
                                   interval=self.site.ha.state_interval).start()
         plane.add_stop_hook(writer.stop)
@@ -297,6 +323,8 @@ class Candidate:
                 if self.agent is None:
                     info = current_controller(self.jobdir, self.rank)
                     if info is not None:
+                        from ..launcher.router_rank import router_keys
+                        self.ensure_router(router_keys(self.jobdir, info))
                         self.ensure_agent(info)
                     elif failed_start(self.jobdir, self.rank):
                         raise BootstrapError(f"rank {self.rank.rank} on {self.rank.node}: the first leader could "
@@ -311,14 +339,20 @@ class Candidate:
             if self.agent_thread is not None and self.agent_thread.is_alive():
                 self.agent.shutdown(10.0)
                 self.agent_thread.join(30)
+            if self.rank_router is not None:
+                self.rank_router.stop()
 
 
 def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                 inventories: list[NodeInventory], args: argparse.Namespace) -> int:
     """One rank of `exaserve launch` with `ha.etcd` set (launcher/rank.py)."""
-    if site.router.count > 1:  # every rank says so, so the whole step ends rather than half of it waiting
-        raise BootstrapError(f"ha.etcd with router.count {site.router.count}: several routers are not yet run "
-                             "under elected controllers; allowed: router.count 1 with ha.etcd, or ha.etcd unset")
+    if site.router.count > 1:  # router k runs on rank k: every rank says so, so the whole step ends
+        from ..control_plane import ControlPlaneError
+        from ..launcher.router_rank import check_router_count
+        try:
+            check_router_count(site, rank.size)
+        except ControlPlaneError as exc:
+            raise BootstrapError(str(exc)) from exc
     member, endpoints, tls = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
     try:
         timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)

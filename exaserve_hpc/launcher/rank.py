@@ -102,6 +102,8 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     resume = job.resume_dir()
     try:
         check_quota_accounts(site)
+        from .router_rank import check_router_count
+        check_router_count(site, rank.size)  # router k runs on rank k
         plane = ControlPlane(site, PlaneSettings(
             node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
             host=args.host, port=args.port, curve=keys, expected_agents=nodes, agent_in_thread=True,
@@ -229,6 +231,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
             return run_ha_rank(site, job, rank, jobdir, inventories, args)
         if role_for(rank.rank) is Role.CONTROLLER:
             return run_controller(site, job, rank, jobdir, inventories, args, comm)
+        if rank.rank < site.router.count:  # several routers share the fleet: router k and a gateway on rank k
+            from .router_rank import run_router_rank
+            return run_router_rank(site, rank, jobdir, args, comm)
         return run_agent(site, rank, jobdir, comm)
     except (BootstrapError, ControlPlaneError) as exc:
         print(f"error: {exc}", file=sys.stderr)

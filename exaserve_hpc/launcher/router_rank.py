@@ -15,6 +15,11 @@ After rank 0 publishes the controller (bootstrap: address and CURVE key), a rout
 A stop signal stops this gateway taking requests at once (its open ones finish, at most 10 s), and the
 agent as any agent rank's: by rank 0's order, else by itself after AGENT_STOP_GRACE; then the router.
 Losing this node loses only this router's in-flight requests: every replica also serves the others.
+
+With `ha.etcd`, ranks 0 .. N-1 are controller candidates too (ha/launch.py): each runs its RankRouter
+for the whole run, whether or not it leads, and the leader's control plane uses its own rank's router
+as its local one and adopts the others (ha/adoption.py), so a leader's loss leaves the other gateways
+serving.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..bootstrap import BootstrapError, ControllerInfo, CurveKeys, JobDir, RankInfo, wait_for_controller
 from ..config import SiteConfig
@@ -54,47 +59,70 @@ def check_router_count(site: SiteConfig, size: int) -> None:
                                 f"1 to {size} (router k runs on rank k), or submit with --nodes {site.router.count}")
 
 
-def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm=None) -> int:
-    import uvicorn
+class RankRouter:
+    """Router k, its control socket and gateway k on rank k, registered in JOBDIR/routers/rank-K.json. Its
+    lifetime is the rank's, not a controller's: under `ha.etcd` a standby runs it whether or not it leads,
+    and the rank's control plane, when it leads, uses it as its local router (ha/launch.py)."""
 
-    from ..addresses import AddressError, http_url, resolve_listen
+    def __init__(self, site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, keys: Optional[CurveKeys],
+                 controller: Callable[[], Optional[ControllerInfo]]):
+        import uvicorn
+
+        from ..addresses import AddressError, http_url, resolve_listen
+        from ..control_plane import ControlPlaneError, listen_socket, make_router
+        from ..router.router_link import RouterControl
+        r, g = site.router, site.gateway
+        try:
+            bind, _ = resolve_listen(r.host, r.interface, rank.node,
+                                     "router.interface" if r.interface else "router.host", True)
+            if args.host:
+                gateway_bind, publish = resolve_listen(args.host, None, rank.node, "--host", True)
+            else:
+                gateway_bind, publish = resolve_listen(g.host, g.interface, rank.node,
+                                                       "gateway.interface" if g.interface else "gateway.host", True)
+        except AddressError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        self.bind = bind
+        self.router = make_router(site, bind, r.frontend_port, r.backend_port, keys)
+        self.control = RouterControl(self.router, bind, curve=keys).start()
+        self.listener = listen_socket(gateway_bind, g.port if args.port is None else args.port,
+                                      "gateway.port" if args.port is None else "--port")
+        self.url = http_url(publish, self.listener.getsockname()[1])
+        app, self.ledger = gateway_app(site, self.router, jobdir, keys, rank, controller)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+                                                    access_log=False))
+        self.gateway = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]},
+                                        name="exaserve-gateway", daemon=True)
+        self.gateway.start()
+        from ..several_routers import router_file, run_tag
+        jobdir.write_json(router_file(rank.rank), {
+            "run": run_tag(rank.job_id, rank.restart), "rank": rank.rank, "node": rank.node,
+            "frontend": self.router.frontend_endpoint, "backend": self.router.backend_endpoint,
+            "control": self.control.endpoint, "gateway_url": self.url, "published_at": time.time()})
+        print(f"exaserve: rank {rank.rank} on {rank.node}: router {self.router.backend_endpoint}, gateway "
+              f"{self.url}/v1", flush=True)
+
+    def stop_gateway(self) -> None:
+        """Stop taking requests at once; the open ones finish (at most 10 s)."""
+        self.server.should_exit = True
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.gateway.join(15.0)
+        self.listener.close()
+        self.control.stop()
+        self.router.stop()
+        self.ledger.close()
+
+
+def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm=None) -> int:
     from ..agent.gpu_binding import GpuGrantError
     from ..agent.node_agent import EXIT_BAD_GRANT
-    from ..control_plane import ControlPlaneError, listen_socket, make_router
-    from ..several_routers import router_file, run_tag
-    from ..router.router_link import RouterControl
     from .rank import stop_gracefully_on_signals
 
     info = wait_for_controller(rank, jobdir, comm)
     keys = router_keys(jobdir, info)
-    r, g = site.router, site.gateway
-    try:
-        router_bind, _ = resolve_listen(r.host, r.interface, rank.node,
-                                        "router.interface" if r.interface else "router.host", True)
-        if args.host:
-            gateway_bind, publish = resolve_listen(args.host, None, rank.node, "--host", True)
-        else:
-            gateway_bind, publish = resolve_listen(g.host, g.interface, rank.node,
-                                                   "gateway.interface" if g.interface else "gateway.host", True)
-    except AddressError as exc:
-        raise ControlPlaneError(str(exc)) from exc
-    router = make_router(site, router_bind, r.frontend_port, r.backend_port, keys)
-    control = RouterControl(router, router_bind, curve=keys).start()
-    listener = listen_socket(gateway_bind, g.port if args.port is None else args.port,
-                             "gateway.port" if args.port is None else "--port")
-    url = http_url(publish, listener.getsockname()[1])
-    app, ledger = gateway_app(site, router, jobdir, keys, rank, info)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
-                                           access_log=False))
-    gateway = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="exaserve-gateway",
-                               daemon=True)
-    gateway.start()
-    jobdir.write_json(router_file(rank.rank), {
-        "run": run_tag(rank.job_id, rank.restart), "rank": rank.rank, "node": rank.node,
-        "frontend": router.frontend_endpoint, "backend": router.backend_endpoint, "control": control.endpoint,
-        "gateway_url": url, "published_at": time.time()})
-    print(f"exaserve: rank {rank.rank} on {rank.node}: router {router.backend_endpoint}, gateway {url}/v1",
-          flush=True)
+    service = RankRouter(site, rank, jobdir, args, keys, lambda: info)
     try:
         try:
             agent = node_agent(info, site, rank, jobdir, keys)
@@ -104,15 +132,10 @@ def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm
         stop_gracefully_on_signals(lambda: agent.shutdown(10.0))
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # the gateway stops taking requests at once
             chained = signal.getsignal(sig)
-            signal.signal(sig, lambda s, f, chained=chained: (setattr(server, "should_exit", True), chained(s, f)))
+            signal.signal(sig, lambda s, f, chained=chained: (service.stop_gateway(), chained(s, f)))
         return agent.run()
     finally:
-        server.should_exit = True
-        gateway.join(15.0)
-        listener.close()
-        control.stop()
-        router.stop()
-        ledger.close()
+        service.stop()
 
 
 def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, keys: Optional[CurveKeys]):
@@ -130,9 +153,11 @@ def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: J
     return agent
 
 
-def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo, info: ControllerInfo):
+def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
+                controller: Callable[[], Optional[ControllerInfo]]):
     """This rank's gateway over its own router: the same app as rank 0's (keys, quotas, the job's usage
-    ledger beside the job directory), with a status of this router (the fleet's is rank 0's)."""
+    ledger beside the job directory), with a status of this router (the fleet's is the controller's:
+    `controller()` names the one of the moment, a new leader's after a failover under ha.etcd)."""
     from ..quota.ledger import UsageLedger, ledger_dir
     from ..router.admin_api import ADMIN_KEY_FILE
     from ..router.backend import ModelInfo
@@ -143,9 +168,10 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo, 
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
 
     def status() -> dict:
-        snapshot = router.snapshot()
+        snapshot, info = router.snapshot(), controller()
         return {"site": site.site, "role": f"router rank {rank.rank} on {rank.node}",
-                "controller": {"endpoint": info.endpoint, "gateway": info.gateway_url},
+                "controller": {"endpoint": info.endpoint if info else "",
+                               "gateway": info.gateway_url if info else ""},
                 "router": {k: v for k, v in snapshot.items() if k != "replicas"},
                 "replicas": [{"replica_id": e["replica_id"], "model": e["model"], "node": e["node"],
                               "queue_depth": e["queue_depth"], "outstanding": e["outstanding"]}

@@ -77,10 +77,13 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
 
 
 class RouterGroup:
-    def __init__(self, members: list, gateways: Optional[list[str]] = None):
+    def __init__(self, members: list, gateways: Optional[list[str]] = None, borrowed: tuple = ()):
+        """borrowed: members whose lifetime is not the group's (an HA leader's own rank's router, which
+        outlives its leadership): stop() leaves them running."""
         if not members:
             raise ValueError("a router group needs at least one router")
         self.members = list(members)
+        self.borrowed = {id(m) for m in borrowed}
         self.gateways = list(gateways or [""] * len(members))  # each router's gateway URL, where known
         self._lock = threading.Lock()
         # Routers of other ranks register after the group is made: called before the endpoints are read
@@ -166,4 +169,5 @@ class RouterGroup:
 
     def stop(self, timeout: float = 5.0) -> None:
         for member in list(self.members):
-            member.stop(timeout)
+            if id(member) not in self.borrowed:
+                member.stop(timeout)

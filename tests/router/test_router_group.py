@@ -3,6 +3,8 @@ on another rank (real ZmqRouter, real CURVE sockets), and a replica's links to e
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -138,15 +140,30 @@ def test_a_replica_answers_each_request_on_the_router_that_sent_it(context):
             sock.close(linger=0)
 
 
-def test_several_routers_with_elected_controllers_is_refused_naming_both_settings():
+def test_an_elected_leaders_group_adopts_the_other_ranks_routers_and_keeps_its_own_running(tmp_path):
+    """ha.etcd with router.count 3, rank 1 leading after nodea (rank 0) was lost: router 0 of its group is
+    rank 1's own running router, rank 2's registration is adopted, the lost node's is not, and stopping the
+    group leaves rank 1's router running (its lifetime is the rank's)."""
     from types import SimpleNamespace
 
     from exaserve_hpc.config import SiteConfig
-    from exaserve_hpc.control_plane import ControlPlaneError
-    from exaserve_hpc.several_routers import SeveralRouters
+    from exaserve_hpc.several_routers import SeveralRouters, router_file, run_tag
 
-    site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 4, "nodelist": "n[1-4]"},
-                                      "router": {"count": 2}, "ha": {"etcd": {"members": 3}},
+    site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 3, "nodelist": "n[1-3]"},
+                                      "router": {"count": 3}, "ha": {"etcd": {"members": 3}},
                                       "models": [{"model_name": "echo", "engine": "echo", "max_seq_len": 64}]})
-    with pytest.raises(ControlPlaneError, match="router.count 2 with ha.etcd"):
-        SeveralRouters(site, None, "127.0.0.1", SimpleNamespace(across_nodes=True), lambda fp, bp: None)
+    (tmp_path / "routers").mkdir()
+    for rank, node in enumerate(("nodea", "nodeb", "nodec")):
+        (tmp_path / router_file(rank)).write_text(json.dumps({
+            "run": run_tag("j", 0), "rank": rank, "node": node, "frontend": f"tcp://127.0.0.1:{7100 + rank}",
+            "backend": f"tcp://127.0.0.1:{7200 + rank}", "control": f"tcp://127.0.0.1:{7300 + rank}",
+            "gateway_url": f"http://127.0.0.1:{7400 + rank}"}))
+    own = SimpleNamespace(frontend_endpoint="tcp://127.0.0.1:7101", backend_endpoint="tcp://127.0.0.1:7201",
+                          stopped=False)
+    own.stop = lambda timeout=5.0: setattr(own, "stopped", True)
+    settings = SimpleNamespace(across_nodes=True, state_dir=str(tmp_path), job_id="j", restart=0, curve=None,
+                               node_index=1, local_router=own, lost_nodes=("nodea",))
+    routers = SeveralRouters(site, own, "127.0.0.1", settings, lambda fp, bp: None)
+    assert routers.group.backend_endpoints == ["tcp://127.0.0.1:7201", "tcp://127.0.0.1:7202"]
+    routers.stop()
+    assert not own.stopped

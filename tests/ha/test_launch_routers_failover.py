@@ -1,0 +1,136 @@
+"""`exaserve launch` with `ha.etcd` and `router.count: 3` on three ranks of this machine (srun's variables set
+by hand, a real 3-member etcd, CURVE on): router k and gateway k run on rank k. SIGKILL the leader's rank (its
+process group: controller, router 0, gateway 0, agent, replicas) under a stream of requests through gateways
+1 and 2: none fails, a standby leads, it adopts the routers of ranks 1 and 2 (its own in-process one and the
+other over its control link), the job directory lists the two live gateways, and every replica on a
+surviving node is kept (same replica id, same process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.ha.conftest import tls_settings
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.process
+TTL = 2.0
+NODES = ["nodea", "nodeb", "nodec"]
+
+
+def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_JOB_ID": "ha3", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
+           "SLURMD_NODENAME": NODES[rank]}
+    return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
+                             "--job-dir", str(job_dir), "--port", "0"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def status(job_dir: Path) -> dict:
+    url = read(job_dir / "serve.json").get("url")
+    try:
+        return httpx.get(f"{url}/v1/exaserve/status", timeout=5).json() if url else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def serving(s: dict) -> dict[str, dict]:
+    return {r["replica_id"]: r for r in s.get("replicas", []) if r["state"] == "serving"}
+
+
+def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_cluster, tmp_path):
+    site = {"site": "ha-routers", "cluster": {"nodes": 3, "nodelist": ",".join(NODES)},
+            "heartbeat": {"interval": "1s", "controller_timeout": "30s"}, "scheduler": {"tick_interval": "500ms"},
+            "router": {"count": 3, "replica_heartbeat": "500ms"},
+            "ha": {"etcd": {"endpoints": [m.spec.client_url for m in etcd_cluster], **tls_settings(etcd_cluster)},
+                   "lease_ttl": f"{TTL:g}s", "state_interval": "0.5s"},
+            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
+                                                               "l2_path": str(tmp_path / "shm")},
+            "models": [{"model_name": "echo", "engine": "echo", "replicas": 3, "min_replicas": 3,
+                        "max_seq_len": 4096}]}
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site))
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / f"rank{r}.log" for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    codes: dict[int, list[int]] = {1: [], 2: []}
+    done = threading.Event()
+    try:
+        assert wait_for(lambda: len(read(job_dir / "serve.json").get("gateways", [])) == 3
+                        or any(r.poll() is not None for r in ranks), 90, "three gateways listed"), output()
+        assert len(read(job_dir / "serve.json")["gateways"]) == 3, output()
+        gateway = {k: read(job_dir / "routers" / f"rank-{k}.json")["gateway_url"] for k in range(3)}
+        first = wait_for(lambda: (lambda s: s if len(serving(s)) == 3 and [
+            (r["state"], r["replicas"]) for r in s["router"]["routers"]] == [("serving", 3)] * 3 else None)(
+            status(job_dir)), 90, "three replicas serving, seen by the three routers")
+        assert "leads" in logs[0].read_text(), output()
+        old = read(job_dir / "controller.json")["endpoint"]
+        kept = {rid: r["pid"] for rid, r in serving(first).items() if r["node"] != "nodea"}
+        assert kept, first["replicas"]  # at least one replica runs off the leader's node
+
+        def stream(k: int) -> None:
+            with httpx.Client(timeout=30) as http:
+                while not done.is_set():
+                    try:
+                        codes[k].append(http.post(f"{gateway[k]}/v1/completions", json={
+                            "model": "echo", "prompt": f"r{len(codes[k])}", "max_tokens": 8}).status_code)
+                    except httpx.HTTPError:
+                        codes[k].append(0)
+
+        clients = [threading.Thread(target=stream, args=(k,), daemon=True) for k in (1, 2)]
+        for c in clients:
+            c.start()
+        wait_for(lambda: min(len(c) for c in codes.values()) >= 20, 30, "requests through gateways 1 and 2")
+        time.sleep(1.0)  # the leader's writer has put the fleet state in etcd
+        os.killpg(ranks[0].pid, signal.SIGKILL)  # node a lost: controller, router 0, gateway 0, agent, replica
+        killed = time.monotonic()
+        wait_for(lambda: read(job_dir / "controller.json").get("endpoint") not in ("", None, old), 60,
+                 "a new leader in controller.json")
+        published = time.monotonic() - killed
+        leader = next(k for k in (1, 2) if " leads: controller" in logs[k].read_text())
+        after = wait_for(lambda: (lambda s: s if {r["gateway"]: r["state"] for r in s.get("router", {}).get(
+            "routers", [])} == {gateway[1]: "serving", gateway[2]: "serving"} and set(kept) <= set(serving(s))
+            and all(serving(s)[rid]["pid"] for rid in kept) else None)(status(job_dir)), 60,
+            "the new leader with routers 1 and 2 and the kept replicas (their pids reported)")
+        adopted = time.monotonic() - killed
+        assert after["ha"]["leader"] == f"rank{leader}@{NODES[leader]}", after["ha"]
+        assert {rid: r["pid"] for rid, r in serving(after).items() if rid in kept} == kept, output()
+        assert sorted(read(job_dir / "serve.json")["gateways"]) == sorted([gateway[1], gateway[2]])
+        assert "restarting it" not in logs[1].read_text() + logs[2].read_text(), output()
+        before = {k: len(c) for k, c in codes.items()}
+        wait_for(lambda: all(len(codes[k]) >= before[k] + 20 for k in codes), 30, "requests after the failover")
+        done.set()
+        for c in clients:
+            c.join(35)
+        failed = {k: sum(code != 200 for code in c) for k, c in codes.items()}
+        print(f"\nfailover with 3 routers: rank {leader} published {published:.2f}s after the kill, adopted "
+              f"routers 1,2 with {len(kept)} kept replica(s) {adopted:.2f}s after (lease TTL {TTL:g}s); "
+              f"requests through gateways 1/2: {len(codes[1])}/{len(codes[2])}, failed {failed[1]}/{failed[2]}")
+        assert failed == {1: 0, 2: 0}, output()
+        assert published <= 2 * TTL + 3.0, output()
+    finally:
+        done.set()
+        for p in ranks:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
