@@ -212,6 +212,7 @@ class PlaneSettings:
     # router 0 and left running when the plane stops; its gateway's URL; nodes whose routers are not adopted
     local_router: Any = None
     local_gateway: str = ""
+    local_admission: Any = None  # that gateway's part of the quota limits, shared with the leader's own gateway
     lost_nodes: tuple[str, ...] = ()
 
 
@@ -368,7 +369,8 @@ class ControlPlane:
         self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(self._ledger.close)
         from .several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
-        self._admission = gateway_admission(self.site, self._ledger, self.settings.across_nodes)
+        self._admission = (self.settings.local_admission if self.settings.local_admission is not None else
+                           gateway_admission(self.site, self._ledger, self.settings.across_nodes))
         return self._gateway_app(self.router.frontend_endpoint)
 
     def _gateway_app(self, frontend: str):

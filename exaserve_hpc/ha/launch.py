@@ -225,6 +225,7 @@ class Candidate:
                 # with this rank's gateway k on gateway.port, the leader's own (admin, fleet status) takes any port
                 port=0 if local is not None else self.args.port,
                 local_router=local.router if local else None, local_gateway=local.url if local else "",
+                local_admission=local.admission if local else None,  # one part of each limit on this rank
                 lost_nodes=(old,) if old else (),
                 node_index=self.rank.rank, start_agent=False, show_progress=False,
                 replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},

@@ -88,7 +88,7 @@ class RankRouter:
         self.listener = listen_socket(gateway_bind, g.port if args.port is None else args.port,
                                       "gateway.port" if args.port is None else "--port")
         self.url = http_url(publish, self.listener.getsockname()[1])
-        app, self.ledger = gateway_app(site, self.router, jobdir, keys, rank, controller)
+        app, self.ledger, self.admission = gateway_app(site, self.router, jobdir, keys, rank, controller)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
                                                     access_log=False))
         self.gateway = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]},
@@ -185,5 +185,5 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
         admin_key = None
     ledger = UsageLedger(ledger_dir(site, jobdir.path.parent), half_life=site.gateway.fair_share_half_life)
     # this gateway's part of each quota limit: gateway k of router.count (several_routers.py)
-    return create_app(client, site, admin_key=admin_key, ledger=ledger,
-                      admission=gateway_admission(site, ledger, True, rank.rank)), ledger
+    admission = gateway_admission(site, ledger, True, rank.rank)
+    return create_app(client, site, admin_key=admin_key, ledger=ledger, admission=admission), ledger, admission
