@@ -1,8 +1,9 @@
 """The usage ledger: one line per finished request, appended durably, summed by `exaserve usage`.
 
 Each gateway process appends JSON lines to a file of its own in the ledger directory
-(``usage-<host>-<pid>-<start>.jsonl``, mode 0600), so processes never interleave and a restarted
-or requeued gateway adds a new file beside the old ones: the totals continue, nothing is rewritten.
+(``usage-<host>-<pid>-<start ms>-<n>.jsonl``, n counting the ledgers this process made; mode 0600), so
+ledgers never interleave and a restarted or requeued gateway adds a new file beside the old ones: the totals
+continue, nothing is rewritten.
 
 Durability: periodic fsync. Records are queued in memory and a writer thread appends and fsyncs
 them in batches at most ``flush_interval`` (0.2 s) apart, and on close; a crash of the process
@@ -23,6 +24,7 @@ slots: the share of the replica one request held).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -67,9 +69,7 @@ class UsageLedger:
     def __init__(self, directory: Path, flush_interval: float = 0.2, half_life: float = 86400.0):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        name = f"usage-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}.jsonl"
-        self.path = self.directory / name
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.path, self._fd = _create_file(self.directory)
         _fsync_dir(self.directory)  # the new file's name survives a crash too
         self.flush_interval = flush_interval
         self._pending: list[bytes] = []
@@ -172,6 +172,22 @@ def _read_tail(path: Path, offset: int, into: list) -> int:
         except (ValueError, TypeError):
             log.warning("usage ledger %s: skipping an unreadable line (a write cut by a crash)", path)
     return offset + end
+
+
+_created = itertools.count()  # ledgers of this process: two made in one millisecond still get files of their own
+
+
+def _create_file(directory: Path) -> tuple[Path, int]:
+    """A new ledger file of this process, opened for appending. O_EXCL: a name met again (a reused pid in the
+    same millisecond after a requeue) takes the next number instead of appending to another ledger's file, whose
+    byte positions that ledger counts."""
+    while True:
+        name = f"usage-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}-{next(_created)}.jsonl"
+        try:
+            return directory / name, os.open(directory / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL,
+                                             0o600)
+        except FileExistsError:
+            continue
 
 
 def _fsync_dir(directory: Path) -> None:

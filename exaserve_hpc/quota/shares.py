@@ -58,12 +58,21 @@ class DecayedUsage:
         self.half_life = half_life
         self._value: dict[str, tuple[float, float]] = {}  # group -> (usage, at)
 
+    def _decay(self, seconds: float) -> float:
+        return 0.5 ** (max(0.0, seconds) / self.half_life) if self.half_life > 0 else 1.0
+
     def value(self, group: str, now: float) -> float:
         usage, at = self._value.get(group, (0.0, now))
-        return usage * 0.5 ** (max(0.0, now - at) / self.half_life) if self.half_life > 0 else usage
+        return usage * self._decay(now - at)
 
     def add(self, group: str, amount: float, now: float) -> None:
-        self._value[group] = (self.value(group, now) + amount, now)
+        usage, at = self._value.get(group, (0.0, now))
+        if now < at:
+            # Older than what the group holds (a file of another rank read after the checkpoint's figures): decay
+            # the amount up to the group's time and keep that time; moving it back would decay the usage twice.
+            self._value[group] = (usage + amount * self._decay(at - now), at)
+        else:
+            self._value[group] = (usage * self._decay(now - at) + amount, now)
 
     def groups(self) -> list[str]:
         return list(self._value)

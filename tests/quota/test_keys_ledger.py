@@ -6,10 +6,13 @@ import csv
 import io
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -98,6 +101,20 @@ def test_ledger_appends_durably_survives_a_torn_line_and_a_second_process(tmp_pa
     assert rows["bio"]["requests"] == 2 and rows["bio"]["total_tokens"] == 12 and rows["bio"]["gpu_seconds"] == 1.0
     windowed = summarize(read_usage(tmp_path), by="account", since=150, until=400)
     assert [(r["account"], r["requests"]) for r in windowed] == [("bio002", 2)]
+
+
+def test_ledgers_made_in_one_millisecond_write_files_of_their_own(tmp_path, monkeypatch):
+    from exaserve_hpc.quota import ledger as ledger_module
+    clock = SimpleNamespace(time=lambda: 1_700_000_000.0, sleep=time.sleep)  # one millisecond for all of them
+    monkeypatch.setattr(ledger_module, "time", clock)
+    ledgers = [UsageLedger(tmp_path) for _ in range(3)]
+    assert len({ledger.path for ledger in ledgers}) == 3
+    for n, ledger in enumerate(ledgers):
+        ledger.record(record(100.0 + n, "bio", "m", 10 * (n + 1), 0, "bio002"))
+        ledger.close()
+        assert ledger.offsets[ledger.path.name] == ledger.path.stat().st_size  # the positions it counts hold
+    assert ledgers[0].path.name.startswith(f"usage-{socket.gethostname()}-{os.getpid()}-1700000000000-")
+    assert sorted(r.prompt_tokens for r in read_usage(tmp_path)) == [10, 20, 30]
 
 
 def test_usage_command_csv_by_model_and_time_window(tmp_path):

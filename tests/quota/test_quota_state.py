@@ -54,7 +54,6 @@ def test_the_checkpoint_carries_the_ledgers_quota_figures_and_a_restart_restores
 
     first.record(record(now, "bio", 8, 2))  # ends after the checkpoint: only in the ledger
     first.close()
-    time.sleep(0.002)  # the next ledger file's name differs (pid + ms)
 
     second = UsageLedger(ledger_dir, half_life=HOUR)
     assert second.restore(saved) == 1  # from the checkpoint, and the one record past its position
@@ -84,6 +83,27 @@ def test_the_checkpoint_carries_the_ledgers_quota_figures_and_a_restart_restores
     assert policy.fair_factor("bio", 10.0) > policy.fair_factor("climate", 10.0)  # used less lately
     second.close()
     third.close()
+
+
+def test_a_ledger_file_the_checkpoint_does_not_list_adds_its_older_records_without_decaying_the_rest(tmp_path):
+    # router rank 1's gateway writes a file of its own; rank 0's checkpoint lists only rank 0's file
+    now = time.time()
+    rank0, rank1 = UsageLedger(tmp_path, half_life=HOUR), UsageLedger(tmp_path, half_life=HOUR)
+    rank0.record(record(now - 1, "bio", 600, 400))
+    rank1.record(record(now - HOUR, "bio", 60, 40))  # older than the checkpoint's usage
+    rank0.flush()
+    rank1.close()
+    state = rank0.quota_state()
+    saved = ControllerState("77", 0, state.at, quota=state.totals, quota_usage=state.usage,
+                            quota_usage_at=state.at, ledger_offsets={rank0.path.name: state.offsets[rank0.path.name]})
+    rank0.close()
+    restarted = UsageLedger(tmp_path, half_life=HOUR)
+    assert restarted.restore(saved) == 1  # rank 1's whole file
+    restored = restarted.quota_state()
+    assert restored.totals == {"bio": (1100, 2)}
+    assert restored.usage["bio"] == pytest.approx(1000 + 100 / 2, rel=1e-3)  # not (1000 + 100) / 2
+    assert restored.offsets[rank1.path.name] == rank1.path.stat().st_size
+    restarted.close()
 
 
 def test_a_line_still_being_written_is_read_again_next_time(tmp_path):

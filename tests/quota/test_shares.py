@@ -45,6 +45,19 @@ def test_decayed_usage_halves_every_half_life():
     assert usage.value("g", 10) == pytest.approx(50) and usage.value("g", 30) == pytest.approx(12.5)
 
 
+def test_an_older_amount_is_decayed_to_the_groups_time_and_the_usage_is_not_decayed_twice():
+    usage = DecayedUsage(half_life=100)
+    usage.add("g", 1000, now=1000)
+    usage.add("g", 1, now=500)  # five half-lives older than the group's time
+    assert usage.value("g", 1000) == pytest.approx(1000 + 1 / 32)
+    usage.add("g", 64, now=900)  # one half-life older
+    assert usage.value("g", 1100) == pytest.approx((1000 + 1 / 32 + 32) / 2)
+    timeless = DecayedUsage(half_life=0)  # no decay at all
+    timeless.add("g", 10, now=5)
+    timeless.add("g", 10, now=1)
+    assert timeless.value("g", 100) == 20
+
+
 def test_config_refuses_guarantees_over_one_and_a_ceiling_below_the_guarantee():
     from exaserve_hpc.config import ConfigError, parse_site
     base = {"site": "s", "models": [{"model_name": "m"}]}
