@@ -5,6 +5,7 @@ tests/test_serve_several_routers.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,7 +93,13 @@ def test_shares_split_so_each_gateway_holds_its_part_of_the_slots_and_the_guaran
 
 
 def test_one_admission_shared_by_several_threads_never_goes_past_a_limit():
-    admission = Admission(100, {"bio": 3})
+    def yielding_clock() -> float:
+        # read between the group's check and its count (the token budget's wait): sleeping here lets the other
+        # threads run their check too, so without the lock nearly all 16 would get in, not 3
+        time.sleep(0.005)
+        return time.monotonic()
+
+    admission = Admission(100, {"bio": 3}, clock=yielding_clock)
     start, tickets, refused = threading.Barrier(16), [], []
 
     def one() -> None:
