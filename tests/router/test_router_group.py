@@ -4,12 +4,13 @@ on another rank (real ZmqRouter, real CURVE sockets), and a replica's links to e
 from __future__ import annotations
 
 import json
-
+import threading
 import time
 
 import pytest
 import zmq
 
+from exaserve_hpc.agent import router_links
 from exaserve_hpc.agent.router_links import RouterLinks
 from exaserve_hpc.bootstrap import JobDir, make_curve_keys, secure_client
 from exaserve_hpc.protocol import Drain, GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, decode, encode
@@ -100,7 +101,9 @@ def test_a_remote_router_takes_the_controllers_news_and_reports_its_counts(conte
         router.stop()
 
 
-def test_a_replica_answers_each_request_on_the_router_that_sent_it(context):
+def test_a_replica_answers_each_request_on_the_router_that_sent_it(context, monkeypatch):
+    # a small pipe per router (read when the links' sockets are made), so the lost router's fills within the test
+    monkeypatch.setattr(router_links, "LINK_HWM", 10)
     routers = [context.socket(zmq.ROUTER) for _ in range(2)]
     endpoints = []
     for sock in routers:
@@ -130,10 +133,17 @@ def test_a_replica_answers_each_request_on_the_router_that_sent_it(context):
             assert [m.request_id for m in seen if isinstance(m, TokenChunk)] == [f"q{k}"]
             assert [m.queue_depth for m in seen if isinstance(m, ReplicaStats)] == [3]  # load goes to both
         routers[1].close(linger=0)  # a router lost: sending to it must never block the replica
+        sender = threading.Thread(target=lambda: [links.send(ReplicaStats(replica_id="m/r1", queue_depth=i))
+                                                  for i in range(1000)], daemon=True)
         started = time.monotonic()
-        for i in range(200):
-            links.send(ReplicaStats(replica_id="m/r1", queue_depth=i))
-        assert time.monotonic() - started < 2.0
+        sender.start()
+        sender.join(10)  # a blocking send would wait for router 1 forever once its pipe of 10 is full
+        assert not sender.is_alive() and time.monotonic() - started < 2.0
+        assert links.dropped[1] >= 1000 - 100  # past the pipe (and what went out before the loss was seen): counted
+        delivered = 0
+        while routers[0].poll(1000):  # the live router gets every message its pipe took; the rest are counted
+            delivered += isinstance(decode(routers[0].recv_multipart()[1]), ReplicaStats)
+        assert delivered > 0 and delivered + links.dropped[0] == 1000
     finally:
         links.close()
         for sock in routers:
