@@ -8,6 +8,7 @@ to: the routers that survived are, so it goes on serving them; only the lost rou
 (its sends are non-blocking and dropped, agent/router_links.py).
 
     adoptable_ranks(count=3, own_rank=1)                     -> [0, 2]
+    former_leaders({"node": "nodeb", "former_nodes": ["nodea"]}, "nodec")  -> ["nodea", "nodeb"]
     adopt(info, tag="j.0", lost_nodes={"nodea"})            -> False for the old leader's router
     must_restart(running=[r0, r1, r2], wanted=[r1, r2])      -> False: kept, serving r1 and r2
     must_restart(running=[r0], wanted=[r1])                  -> True: one router, and it changed
@@ -26,6 +27,14 @@ def adoptable_ranks(count: int, own_rank: int) -> list[int]:
 def adopt(info: Optional[dict], tag: str, lost_nodes: Iterable[str] = ()) -> bool:
     """Whether a registration names a router of this run on a node not known to be lost."""
     return bool(info) and info.get("run") == tag and info.get("node") not in set(lost_nodes)
+
+
+def former_leaders(published: dict, own_node: str) -> list[str]:
+    """The nodes of the leaders before this one, from what the last put under the job's controller key
+    (its node, and the former nodes it had itself left out): their routers are not adopted (a failover
+    is a leader's node lost, or cut off from etcd). This leader's own node is never among them."""
+    nodes = set(published.get("former_nodes") or ()) | {published.get("node")}
+    return sorted(n for n in nodes if n and n != own_node)
 
 
 def backends(router_backend: str, router_backends: Iterable[str]) -> list[str]:

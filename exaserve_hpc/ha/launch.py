@@ -37,6 +37,7 @@ from ..bootstrap import (
 )
 from ..config import SiteConfig
 from ..jobenv import JobEnvironment
+from .adoption import former_leaders
 from .election import Deposed, Election
 from .etcd_client import EtcdClient, EtcdUnavailable
 from .etcd_member import EtcdMember, EtcdMemberError, MemberSpec
@@ -200,14 +201,16 @@ class Candidate:
         previous = current_controller(self.jobdir, self.rank)
         nodes = list(previous.nodes) if previous else self.nodes
         expected = nodes or None
-        old = None  # the node of the leader before this one (a failover), whose router is not adopted
-        if previous is not None:  # a failover: placement waits for every node but the old leader's
+        published: dict = {}  # what the leader before this one (a failover) put under the controller key
+        if previous is not None:  # a failover: placement waits for every node but the former leaders'
             try:
                 kv = self.etcd.get(f"{self.prefix}/controller")
-                old = json.loads(kv.value).get("node") if kv else None
+                published = json.loads(kv.value) if kv else {}
             except (EtcdUnavailable, ValueError):
-                old = None
-            expected = [n for n in nodes if n != old] or None
+                published = {}
+        lost = former_leaders(published, self.rank.node)  # their routers are not adopted
+        if previous is not None:  # and placement does not wait for their agents
+            expected = [n for n in nodes if n not in lost] or None
         keys = job_curve_keys(self.jobdir) if not self.args.no_curve and curve_available() else None
         self.ensure_router(keys)
         local = self.rank_router
@@ -226,7 +229,7 @@ class Candidate:
                 port=0 if local is not None else self.args.port,
                 local_router=local.router if local else None, local_gateway=local.url if local else "",
                 local_admission=local.admission if local else None,  # one part of each limit on this rank
-                lost_nodes=(old,) if old else (),
+                lost_nodes=tuple(lost),
                 node_index=self.rank.rank, start_agent=False, show_progress=False,
                 replica_env={CURVE_JOB_DIR_VARIABLE: str(self.jobdir.path.absolute())} if keys else {},
                 restore_from=(resume,) if resume else (), restore_state=state))
@@ -260,7 +263,8 @@ class Candidate:
                               nodes=nodes)
         try:
             self.election.fenced_put({f"{self.prefix}/controller": json.dumps(
-                {"endpoint": info.endpoint, "gateway_url": info.gateway_url, "node": self.rank.node})})
+                {"endpoint": info.endpoint, "gateway_url": info.gateway_url, "node": self.rank.node,
+                 "former_nodes": lost})})
         except (Deposed, EtcdUnavailable) as exc:
             plane.abandon(f"could not publish as the leader: {exc}")
         else:

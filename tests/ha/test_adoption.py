@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exaserve_hpc.ha.adoption import adopt, adoptable_ranks, backends, must_restart
+from exaserve_hpc.ha.adoption import adopt, adoptable_ranks, backends, former_leaders, must_restart
 
 R0, R1, R2 = "tcp://a:5001", "tcp://b:5001", "tcp://c:5001"
 
@@ -37,3 +37,10 @@ def test_a_replica_that_cannot_reach_a_wanted_router_restarts():
 def test_a_single_router_spec_is_its_backend():
     assert backends(R0, []) == [R0]
     assert backends(R0, [R0, R1]) == [R0, R1]
+
+
+def test_the_routers_of_every_former_leaders_node_are_left_out():
+    assert former_leaders({}, "nodeb") == []  # the first leader
+    assert former_leaders({"node": "nodea"}, "nodeb") == ["nodea"]
+    assert former_leaders({"node": "nodeb", "former_nodes": ["nodea"]}, "nodec") == ["nodea", "nodeb"]
+    assert former_leaders({"node": "nodeb", "former_nodes": ["nodea"]}, "nodea") == ["nodeb"]  # never its own

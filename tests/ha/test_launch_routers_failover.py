@@ -3,7 +3,8 @@ by hand, a real 3-member etcd, CURVE on): router k and gateway k run on rank k. 
 process group: controller, router 0, gateway 0, agent, replicas) under a stream of requests through gateways
 1 and 2: none fails, a standby leads, it adopts the routers of ranks 1 and 2 (its own in-process one and the
 other over its control link), the job directory lists the two live gateways, and every replica on a
-surviving node is kept (same replica id, same process)."""
+surviving node is kept (same replica id, same process). Then the new leader's node is lost as well: the last
+rank leads with its own router alone, and its gateway fails no request either."""
 
 from __future__ import annotations
 
@@ -126,6 +127,34 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
               f"requests through gateways 1/2: {len(codes[1])}/{len(codes[2])}, failed {failed[1]}/{failed[2]}")
         assert failed == {1: 0, 2: 0}, output()
         assert published <= 2 * TTL + 3.0, output()
+
+        # A second failover: the new leader's node is lost too. The last rank leads, adopts no router of a
+        # former leader's node (neither nodea's nor the one just lost), and its gateway serves throughout.
+        last = 3 - leader
+        kept = {rid: pid for rid, pid in kept.items() if serving(after)[rid]["node"] == NODES[last]}
+        codes, old = {last: []}, read(job_dir / "controller.json")["endpoint"]
+        done.clear()
+        client = threading.Thread(target=stream, args=(last,), daemon=True)
+        client.start()
+        wait_for(lambda: len(codes[last]) >= 20, 30, f"requests through gateway {last}")
+        os.killpg(ranks[leader].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: read(job_dir / "controller.json").get("endpoint") not in ("", None, old), 60,
+                 "a third leader in controller.json")
+        published = time.monotonic() - killed
+        wait_for(lambda: (lambda s: s if {r["gateway"]: r["state"] for r in s.get("router", {}).get(
+            "routers", [])} == {gateway[last]: "serving"} and all(serving(s).get(rid, {}).get("pid") == pid
+                                                                 for rid, pid in kept.items()) else None)(
+            status(job_dir)), 60, f"rank {last} leading with its own router alone, its replicas kept")
+        assert read(job_dir / "serve.json")["gateways"] == [gateway[last]], output()
+        before = len(codes[last])
+        wait_for(lambda: len(codes[last]) >= before + 20, 30, "requests after the second failover")
+        done.set()
+        client.join(35)
+        failed = {last: sum(code != 200 for code in codes[last])}
+        print(f"second failover: rank {last} published {published:.2f}s after the kill; requests through gateway "
+              f"{last}: {len(codes[last])}, failed {failed[last]}")
+        assert failed == {last: 0}, output()
     finally:
         done.set()
         for p in ranks:
