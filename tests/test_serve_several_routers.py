@@ -5,8 +5,9 @@
 2. The control plane `exaserve serve` builds (ControlPlane, in this process so the test can take one router
    away; real agent and replica processes, real ZeroMQ with CURVE, real HTTP): a stream of requests through
    gateway 0 while router 1 stops: 0 failures there; status marks router 1 lost; the replicas go on serving.
-3. router.prefix_mode: precise: a prompt served through gateway 0 is routed by affinity the first time it
-   comes through gateway 1 (router 1 learned it from the engine's KV events, not from its own choices).
+3. router.prefix_mode: precise (the control plane in this process, to watch router 1's index): a prompt served
+   through gateway 0 reaches router 1's index through the engine's KV events (not its own choices), and is
+   routed by affinity the first time it comes through gateway 1.
 Echo replicas in 1 and 2: the figures are the serving path's own; the reference engine in 3 (KV events).
 """
 
@@ -79,7 +80,9 @@ def test_serve_with_two_routers_answers_on_both_gateways_and_lists_them(tmp_path
     stop_serve(process, lines)
 
 
-def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
+def in_process_plane(site_file: Path, tmp_path: Path):
+    """The control plane `exaserve serve` builds, in this process (so a test can look into its routers), with
+    gateway 0 served on a thread: (plane, gateway 0's server, the signal handlers to put back)."""
     import uvicorn
 
     from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE
@@ -87,7 +90,7 @@ def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
     from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
     from exaserve_hpc.serve import private_run_dir, run_keys
 
-    site = load_site(echo_site(tmp_path))
+    site = load_site(site_file)
     run_dir = private_run_dir(tmp_path / "run")
     keys = run_keys(run_dir)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
@@ -96,6 +99,18 @@ def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
                                              show_progress=False))
     gateway0 = uvicorn.Server(uvicorn.Config(plane.app, log_level="warning"))
     threading.Thread(target=gateway0.run, kwargs={"sockets": [plane.listener]}, daemon=True).start()
+    return plane, gateway0, handlers
+
+
+def stop_plane(plane, gateway0, handlers: dict) -> None:
+    gateway0.should_exit = True
+    plane.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
+    plane, gateway0, handlers = in_process_plane(echo_site(tmp_path), tmp_path)
     try:
         url0, url1 = plane.gateway_urls
         wait_for(lambda: routers_seeing_every_replica(plane.controller.status()), 60, "both routers, both replicas")
@@ -129,43 +144,48 @@ def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
             assert http.get(f"{url0}/health").status_code == 200
             assert complete(http, url0) == 200
     finally:
-        gateway0.should_exit = True
-        plane.shutdown()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        stop_plane(plane, gateway0, handlers)
 
 
 def test_in_precise_mode_a_router_finds_the_prefix_another_router_placed(tmp_path):
     """KV events keep every router's index: a prompt first served through gateway 0 (router 0) is routed
     by affinity when it comes again through gateway 1, whose router never routed it."""
+    from exaserve_hpc.engine.tokenizer import ByteTokenizer
     from serve_harness import write_local_site
 
     site_file = write_local_site(tmp_path, router={"count": 2, "policy": "prefix_affinity",
                                                    "prefix_mode": "precise"})
-    process, url, lines = start_serve(site_file)
+    plane, gateway0, handlers = in_process_plane(site_file, tmp_path)
     try:
-        gateways = json.loads((tmp_path / "run" / "serve.json").read_text())["gateways"]
+        url0, url1 = plane.gateway_urls
+        router1 = plane.routers.local[1]
         prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 2
-        with httpx.Client(timeout=30) as http:
-            wait_for(lambda: routers_seeing_every_replica(http.get(f"{url}/v1/exaserve/status").json()), 60,
-                     "both routers to see both replicas")
-            first = http.post(f"{gateways[0]}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
-                                                                      "max_tokens": 2})
-            assert first.status_code == 200, first.text
+        prompt_ids = ByteTokenizer().encode(prompt)  # what the gateways send the routers
 
-            time.sleep(1.5)  # the engine's KV events reach both routers (they are published as blocks fill)
-            repeat = http.post(f"{gateways[1]}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
-                                                                       "max_tokens": 2})
+        def indexed_blocks(dispatcher) -> tuple[int, int]:  # (blocks of the prompt router 1's index holds, of all)
+            hashes = dispatcher.policy.routing_key(prompt_ids).block_hashes
+            return dispatcher.policy.index.deepest(hashes), len(hashes)
+
+        wait_for(lambda: routers_seeing_every_replica(plane.controller.status()), 60, "both routers, both replicas")
+        assert router1.call(indexed_blocks).result(5)[0] == 0  # nothing cached yet
+        with httpx.Client(timeout=30) as http:
+            first = http.post(f"{url0}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
+                                                               "max_tokens": 2})
+            assert first.status_code == 200, first.text
+            # the engine's KV events (published as blocks fill) reach router 1, which never routed the prompt
+            held, blocks = wait_for(lambda: (n := router1.call(indexed_blocks).result(5))[0] == n[1] and n, 20,
+                                    "router 1's index to hold every block of the prompt")
+            assert held == blocks >= 2
+            repeat = http.post(f"{url1}/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
+                                                                "max_tokens": 2})
             assert repeat.status_code == 200, repeat.text
-            # Once: in approximate mode router 1 would know nothing of this prompt yet.
-            router = wait_for(lambda: (r := http.get(f"{url}/v1/exaserve/status").json()["router"])
-                              ["prefix_hit_tokens"] >= 16 and [x["accepted"] for x in r["routers"]] == [1, 1] and r,
-                              20, "both requests and the engine's prefix hit in status")
+        # Once: in approximate mode router 1 would know nothing of this prompt yet.
+        router = wait_for(lambda: (r := plane.controller.status()["router"])["prefix_hit_tokens"] >= 16
+                          and [x["accepted"] for x in r["routers"]] == [1, 1] and r,
+                          20, "both requests and the engine's prefix hit in status")
         assert router["routing"].get("affinity") == 1, router["routing"]
-    except BaseException:
-        process.kill()
-        raise
-    stop_serve(process, lines)
+    finally:
+        stop_plane(plane, gateway0, handlers)
 
 
 def test_a_groups_concurrency_limit_holds_over_both_gateways(tmp_path):
