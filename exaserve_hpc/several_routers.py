@@ -129,8 +129,8 @@ class RouterDiscovery:
         self._next = 0.0
         self._lock = threading.Lock()
 
-    def poll(self) -> None:
-        if not self.missing or self.clock() < self._next:
+    def poll(self, force: bool = False) -> None:
+        if not self.missing or (self.clock() < self._next and not force):
             return
         joined = False
         with self._lock:

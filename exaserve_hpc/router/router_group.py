@@ -88,7 +88,8 @@ class RouterGroup:
         self._lock = threading.Lock()
         # Routers of other ranks register after the group is made: called before the endpoints are read
         # (a replica started must connect to every router there is) and before each snapshot.
-        self.discover: Callable[[], None] = lambda: None
+        # discover(force): force=True (a replica about to start) looks at once, not at most every 0.1 s
+        self.discover: Callable[..., None] = lambda force=False: None
         for member in self.members[1:]:
             self._wire(member)
 
@@ -105,7 +106,7 @@ class RouterGroup:
     @property
     def backend_endpoints(self) -> list[str]:
         """Every router's backend, router 0 first: what each replica connects to (StartReplica)."""
-        self.discover()
+        self.discover(force=True)  # a router registered a moment ago must be among them
         with self._lock:
             return [m.backend_endpoint for m in self.members]
 
