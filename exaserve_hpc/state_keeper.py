@@ -2,7 +2,7 @@
 
     keeper = StateKeeper(controller, run_dir / CHECKPOINT_FILE, job_id, restart, interval=300)
     keeper.start()                 # a thread writes every `interval` seconds (0: never periodically)
-    keeper.save(exclude=("n3",))   # now, retried; True when written
+    keeper.save(exclude=("n3",))   # now, retried; True when written (never by a controller not acting: ha/)
     keeper.stop()                  # the thread ends; the final write is the shutdown order's (control_plane.py)
     keeper.quota = ledger.quota_state  # the quota section's source (quota/ledger.py), once the gateway has one
 
@@ -60,9 +60,13 @@ class StateKeeper:
         return state
 
     def save(self, exclude: Iterable[str] = ()) -> bool:
-        """Write now; retried. False (after logging every failure) when no attempt succeeded."""
+        """Write now; retried. False (after logging every failure) when no attempt succeeded, or when this
+        controller no longer acts as the leader (ha/: a deposed leader's state is stale; the new leader writes)."""
         with self._lock:
             for attempt in range(1, self.attempts + 1):
+                if not self._acting():  # checked again before a retry: the lease may lapse during a pause
+                    log.warning("checkpoint %s not written: this controller is not acting as the leader", self.path)
+                    return False
                 try:
                     state = self.state(exclude)
                     self._save(self.path, state)
@@ -80,6 +84,11 @@ class StateKeeper:
         log.error("checkpoint %s not written after %d attempts; the next write tries again", self.path,
                   self.attempts)
         return False
+
+    def _acting(self) -> bool:
+        """The controller's HA gate (scheduler/controller.py: always true without ha.etcd)."""
+        acting = getattr(self.controller, "acting", None)
+        return True if acting is None else bool(acting())
 
     def start(self) -> "StateKeeper":
         if self.interval > 0:
