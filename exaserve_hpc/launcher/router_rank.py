@@ -25,10 +25,12 @@ serving.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..bootstrap import BootstrapError, ControllerInfo, CurveKeys, JobDir, RankInfo, wait_for_controller
@@ -153,6 +155,28 @@ def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: J
     return agent
 
 
+def restore_ledger(ledger, jobdir: JobDir) -> Optional[Path]:
+    """The earlier runs' usage, as rank 0's plane restores its own (control_plane.py): the job's checkpoint
+    (this job directory's, else a predecessor job's) and the ledger files past its positions; every ledger
+    file without a readable one. Returns the checkpoint used."""
+    from ..controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+    from ..jobenv.base import RESUME_VARIABLE
+    resume = os.environ.get(RESUME_VARIABLE)
+    for directory in (jobdir.path, *([Path(resume)] if resume else [])):
+        path = directory / CHECKPOINT_FILE
+        if not path.exists():
+            continue
+        try:
+            state = load_state(path)
+        except (OSError, KeyError, CheckpointFormatError) as exc:  # e.g. being written: the ledger files alone
+            log.warning("checkpoint %s unreadable (%s); usage restored from the ledger files alone", path, exc)
+            break
+        ledger.restore(state)
+        return path
+    ledger.restore(None)
+    return None
+
+
 def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
                 controller: Callable[[], Optional[ControllerInfo]]):
     """This rank's gateway over its own router: the same app as rank 0's (keys, quotas, the job's usage
@@ -184,6 +208,7 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
     except OSError:
         admin_key = None
     ledger = UsageLedger(ledger_dir(site, jobdir.path.parent), half_life=site.gateway.fair_share_half_life)
+    restore_ledger(ledger, jobdir)  # before the admission: fair share is seeded from the ledger's usage
     # this gateway's part of each quota limit: gateway k of router.count (several_routers.py)
     admission = gateway_admission(site, ledger, True, rank.rank)
     return create_app(client, site, admin_key=admin_key, ledger=ledger, admission=admission), ledger, admission
