@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -179,13 +180,19 @@ def write_state(run_dir: Path, url: str, site: SiteConfig, routers: Optional[lis
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "serve.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    state = {"url": url, "pid": os.getpid(), "site": site.site, "started": time.time()}
+    state = {"url": url, "pid": os.getpid(), "host": socket.gethostname(), "site": site.site, "started": time.time()}
     if routers:
         state["routers"] = routers
         state["gateways"] = [r["gateway"] for r in routers if r.get("gateway") and r.get("state") != "lost"]
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     return path
+
+
+def written_by(state: dict, url: str, pid: int, host: str) -> bool:
+    """Whether serve.json's `state` is this process's (pure): ha/ leaders on different nodes may share a pid,
+    and a deposed leader must not remove the new leader's file, so the host and the URL must match too."""
+    return state.get("pid") == pid and state.get("host") == host and state.get("url") == url
 
 
 @dataclass
@@ -443,7 +450,7 @@ class ControlPlane:
         finally:
             self.shutdown()
             with contextlib.suppress(OSError, ValueError):
-                if json.loads(state_file.read_text()).get("pid") == os.getpid():  # not a new leader's (ha/)
+                if written_by(json.loads(state_file.read_text()), self.url, os.getpid(), socket.gethostname()):
                     state_file.unlink()
         return 1 if self.failure else 0
 
