@@ -76,18 +76,32 @@ def member_command(spec: MemberSpec, cluster: list[MemberSpec], token: str, bina
             "--logger", "zap", "--log-level", "warn", "--enable-v2=false", *secure]
 
 
+def remove_empty_parents(path: Path, root: Path) -> None:
+    """rmdir each parent of `path` below `root` (not root itself) while it is empty; one in use stays."""
+    root = Path(root)
+    for parent in Path(path).parents:
+        if parent == root or root not in parent.parents:
+            return
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another member of this run on this node), or gone already
+            return
+
+
 class EtcdMember:
     def __init__(self, spec: MemberSpec, cluster: list[MemberSpec], token: str, binary: str = ETCD_BINARY,
                  tls: Optional[TlsFiles] = None, client_tls: Optional[TlsFiles] = None,
-                 log_path: Optional[Path] = None, remove_data: bool = False):
+                 log_path: Optional[Path] = None, remove_data: bool = False, data_root: Optional[Path] = None):
         """tls: this member's certificate (spec.tls); client_tls: what wait_ready presents; log_path: etcd's
-        output (default beside the data directory); remove_data: the data directory goes at stop()."""
+        output (default beside the data directory); remove_data: the data directory goes at stop(), and so do
+        its parents left empty below data_root (the per-user root, which stays: other jobs' members use it)."""
         self.spec, self.cluster, self.token = spec, list(cluster), token
         self.tls, self.client_tls = tls, client_tls
         self.binary = binary
         self.process: Optional[subprocess.Popen] = None
         self.log_path = Path(log_path) if log_path else Path(spec.data_dir).with_suffix(".log")
         self.remove_data = remove_data
+        self.data_root = Path(data_root) if data_root else None
 
     def start(self) -> "EtcdMember":
         binary = shutil.which(self.binary)
@@ -132,6 +146,8 @@ class EtcdMember:
             log.info("etcd member %s stopped", self.spec.name)
         if self.remove_data:
             shutil.rmtree(self.spec.data_dir, ignore_errors=True)
+            if self.data_root is not None:
+                remove_empty_parents(Path(self.spec.data_dir), self.data_root)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -54,12 +54,16 @@ def etcd_prefix(job_id: str) -> str:
     return f"/exaserve/{job_id}"
 
 
-def member_data_dir(configured: Optional[str], rank: RankInfo, name: str) -> Path:
+def member_data_root(configured: Optional[str]) -> Path:
     """Node-local by default ($TMPDIR, else /tmp): etcd fsyncs every write, which a shared filesystem makes slow
     enough to cost elections. The cluster lives for one run, so nothing there needs to outlive the node."""
-    base = Path(os.path.expandvars(configured)).expanduser() if configured else \
+    return Path(os.path.expandvars(configured)).expanduser() if configured else \
         Path(os.environ.get("TMPDIR") or "/tmp") / f"exaserve-etcd-{os.getuid()}"
-    return base / f"{rank.job_id}-{rank.restart}" / name
+
+
+def member_data_dir(configured: Optional[str], rank: RankInfo, name: str) -> Path:
+    """ROOT/JOB-RESTART/NAME (member_data_root); a stopped member removes it and JOB-RESTART once empty."""
+    return member_data_root(configured) / f"{rank.job_id}-{rank.restart}" / name
 
 
 def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
@@ -112,7 +116,8 @@ def start_etcd(site: SiteConfig, rank: RankInfo, jobdir: JobDir,
         except TlsError as exc:
             raise BootstrapError(f"ha.etcd.tls: {exc}") from exc
         member = EtcdMember(spec, specs, token=f"exaserve-{rank.job_id}-{rank.restart}", tls=own, client_tls=client,
-                            log_path=jobdir.path / run / f"{spec.name}.log", remove_data=True).start()
+                            log_path=jobdir.path / run / f"{spec.name}.log", remove_data=True,
+                            data_root=member_data_root(cfg.data_dir)).start()
         try:
             member.wait_ready(timeout)
         except EtcdMemberError as exc:
