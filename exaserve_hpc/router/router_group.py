@@ -147,7 +147,8 @@ class RouterGroup:
 
     def call(self, fn: Callable[..., T]) -> "Future[T]":
         """Run fn(dispatcher) on every router in this process (rollouts: each router's table); the first
-        router's result. Routers on other ranks keep the site's versions (see README)."""
+        router's result. Routers on other ranks follow it: each report request on their control link carries
+        router 0's rollout table, which they take when it differs (router_link.py), within REPORT_INTERVAL."""
         futures = [m.call(fn) for m in list(self.members) if hasattr(m, "call") and member_alive(m)]
         if not futures:
             return self.members[0].call(fn)
