@@ -18,6 +18,7 @@ etcd's JSON carries int64 as strings, bytes as base64, and omits false and zero 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -34,7 +35,13 @@ log = logging.getLogger("exaserve.etcd")
 
 
 class EtcdUnavailable(Exception):
-    """No endpoint answered within the timeout (names the endpoints and the last error)."""
+    """No endpoint answered within the timeout, or none could serve the call (names each endpoint's error)."""
+
+
+class EtcdRefused(EtcdUnavailable):
+    """A member answered and refused the request itself (e.g. "etcdserver: request is too large"): no other
+    member would take it either. A kind of EtcdUnavailable, so every caller's "the call did not take effect"
+    handling covers it; the message says what etcd answered instead of blaming the network."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,23 @@ def _session(tls: Optional[TlsFiles]) -> requests.Session:
     return session
 
 
+# gRPC codes (in the JSON gateway's error body) that judge the request, not the member's state:
+# InvalidArgument ("request is too large", "too many operations in txn"), NotFound, AlreadyExists,
+# PermissionDenied, FailedPrecondition, OutOfRange, Unauthenticated
+REFUSAL_CODES = frozenset({3, 5, 6, 7, 9, 11, 16})
+
+
+def refused(detail: Optional[str]) -> bool:
+    """Whether an error answer refuses the request itself (pure); unknown bodies are not (the next member is tried)."""
+    try:
+        body = json.loads(detail or "")
+        code, error = body.get("code"), str(body.get("error", ""))
+    except (ValueError, AttributeError):
+        return False
+    # ResourceExhausted (8) is also "too many requests" (transient); a message over gRPC's limit is not
+    return code in REFUSAL_CODES or (code == 8 and "larger than max" in error)
+
+
 class EtcdClient:
     def __init__(self, endpoints: list[str], timeout: float = 2.0, tls: Optional[TlsFiles] = None):
         """tls: the CA to trust and the client certificate to present (https endpoints; etcd_tls.py)."""
@@ -89,8 +113,9 @@ class EtcdClient:
         self._lock = threading.Lock()
 
     def _post(self, path: str, body: dict) -> dict:
-        """POST to the current member; on a connection failure or timeout, to the next ones in turn."""
-        errors = []
+        """POST to the current member; on a connection failure, a timeout or a server error, to the next ones in
+        turn. A request a member refused (`refused`: invalid, too large, not permitted) is EtcdRefused at once."""
+        errors, answered = [], False
         with self._lock:
             start = self._current
         for i in range(len(self._clients)):
@@ -102,14 +127,20 @@ class EtcdClient:
                 errors.append(f"{self.endpoints[index]}: {type(exc).__name__}")
                 continue
             except etcd_exceptions.Etcd3Exception as exc:
+                if refused(exc.detail_text):  # about the request itself: no other member would take it
+                    raise EtcdRefused(f"etcd member {self.endpoints[index]} refused {path}: {exc.detail_text}") from exc
                 # a member cut off from its quorum answers "etcdserver: request timed out" (HTTP 500/503):
                 # another member may be in the majority
                 errors.append(f"{self.endpoints[index]}: {exc.detail_text or type(exc).__name__}")
+                answered = True
                 continue
             if index != start:
                 with self._lock:
                     self._current = index
             return result
+        if answered:  # some answered, with an error: not a network problem alone
+            raise EtcdUnavailable(f"no etcd member could serve {path} (each given {self.timeout:g}s): "
+                                  f"{'; '.join(errors)}")
         raise EtcdUnavailable(f"no etcd member answered within {self.timeout:g}s: {'; '.join(errors)}")
 
     # ---------------------------------------------------------------- leases
