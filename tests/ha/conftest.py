@@ -10,8 +10,11 @@ import os
 import re
 import shutil
 import socket
+import json
 import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +139,34 @@ def logged_at(text: str, fragment: str) -> float:
         if match and fragment in line:
             return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(match.group(2)) / 1000
     return 0.0
+
+
+NODES = ["nodea", "nodeb", "nodec"]  # the three local ranks' node names in the launch tests
+
+
+def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path, job_id: str, curve: bool = False,
+               netns: str = "") -> subprocess.Popen:
+    """One `exaserve launch` rank on this machine, srun's variables set by hand (in network namespace
+    `netns` when given), in its own process group so a test can kill the rank with all it started."""
+    env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
+           "SLURMD_NODENAME": NODES[rank]}
+    command = [sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file), "--job-dir", str(job_dir),
+               "--port", "0", *([] if curve else ["--no-curve"])]
+    if netns:
+        command = ["ip", "netns", "exec", netns, *command]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file the ranks write, or {} while it is missing or half written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cli_status(job_dir: Path) -> dict:
+    """`exaserve status --json --run-dir JOB_DIR`, or {} when it fails (no leader published yet)."""
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
+                             str(job_dir)], capture_output=True, text=True, timeout=30)
+    return json.loads(result.stdout) if result.returncode == 0 else {}

@@ -9,42 +9,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
 from serve_harness import write_local_site
-from tests.ha.conftest import client_for, fleet_state_names, tls_settings
+from tests.ha.conftest import (NODES, client_for, cli_status as status, fleet_state_names, read_json, start_rank,
+                               tls_settings)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
 TTL = 2.0
-NODES = ["nodea", "nodeb", "nodec"]
 
 
-def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "SLURM_JOB_ID": "ha1", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
-           "SLURMD_NODENAME": NODES[rank]}
-    return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
-                             "--job-dir", str(job_dir), "--port", "0", "--no-curve"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def status(job_dir: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
-                             str(job_dir)], capture_output=True, text=True, timeout=30)
-    return json.loads(result.stdout) if result.returncode == 0 else {}
 
 
-def controller(job_dir: Path) -> dict:
-    try:
-        return json.loads((job_dir / "controller.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _complete(client) -> str:
@@ -63,19 +45,19 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
                                      "state_interval": "0.5s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]
-    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r], "ha1") for r in range(3)]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
     try:
         first = wait_for(lambda: (lambda s: s if sum(r["state"] == "serving" for r in s.get("replicas", [])) >= 3
                                   else None)(status(job_dir)), 120, "three serving replicas")
         assert "leads" in logs[0].read_text(), output()
-        old = controller(job_dir)["endpoint"]
+        old = read_json(job_dir / "controller.json")["endpoint"]
         placed = {r["replica_id"]: r["node"] for r in first["replicas"]}
         wait_for(lambda: fleet_state_names(client_for(etcd_cluster), "ha1", placed), 30,
                  "the fleet state in etcd naming the three replicas")  # what the standby restores
         os.killpg(ranks[0].pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: controller(job_dir).get("endpoint") not in ("", None, old), 60,
+        wait_for(lambda: read_json(job_dir / "controller.json").get("endpoint") not in ("", None, old), 60,
                  "a new leader in controller.json")
         published = time.monotonic() - killed
         new_log = next(p for p in logs[1:] if "leads" in p.read_text())
@@ -96,7 +78,7 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
         # The new leader's router is not the old one: the survivors' replicas restart on it (their agents
         # see the router change) and the lost node's replica is placed again; requests go through the new
         # gateway (controller.json's gateway_url).
-        url = controller(job_dir)["gateway_url"]
+        url = read_json(job_dir / "controller.json")["gateway_url"]
         try:
             wait_for(lambda: sum(r["state"] == "serving" for r in status(job_dir).get("replicas", [])) >= 3, 60,
                      "three replicas serving at the new leader")
@@ -126,7 +108,7 @@ def test_a_job_stopped_by_its_leader_has_no_failover(etcd_cluster, tmp_path):
                                               **tls_settings(etcd_cluster)}, "lease_ttl": f"{TTL:g}s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]
-    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r], "ha1") for r in range(3)]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
     try:
         wait_for(lambda: sum(r["state"] == "serving" for r in status(job_dir).get("replicas", [])) >= 2, 120,
@@ -155,7 +137,7 @@ def test_a_controller_that_cannot_start_stops_every_rank(etcd_cluster, tmp_path)
                                               **tls_settings(etcd_cluster)}, "lease_ttl": f"{TTL:g}s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]
-    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r], "ha1") for r in range(3)]
     try:
         codes = [p.wait(60) for p in ranks]
         output = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)

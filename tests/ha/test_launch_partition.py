@@ -6,46 +6,26 @@ is back the old leader's rank stays a standby and its agent follows the new lead
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from serve_harness import write_local_site
-from tests.ha.conftest import ip, logged_at, need_etcd, start_cluster, tls_settings
+from tests.ha.conftest import (NODES, cli_status as status, ip, logged_at, need_etcd, read_json, start_cluster,
+                               start_rank, tls_settings)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
 TTL = 2.0
-NODES = ["nodea", "nodeb", "nodec"]
 
 
-def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path, netns: str = "") -> subprocess.Popen:
-    env = {**os.environ, "SLURM_JOB_ID": "hap", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
-           "SLURMD_NODENAME": NODES[rank]}
-    command = [sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file), "--job-dir", str(job_dir),
-               "--port", "0", "--no-curve"]
-    if netns:
-        command = ["ip", "netns", "exec", netns, *command]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def status(job_dir: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--json", "--run-dir",
-                             str(job_dir)], capture_output=True, text=True, timeout=30)
-    return json.loads(result.stdout) if result.returncode == 0 else {}
 
 
-def controller(job_dir: Path) -> dict:
-    try:
-        return json.loads((job_dir / "controller.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):
@@ -59,18 +39,19 @@ def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):
                                      "lease_ttl": f"{TTL:g}s", "state_interval": "0.5s"})
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]
-    ranks = [start_rank(site_file, job_dir, 0, logs[0], netns=name)]
-    ranks += [start_rank(site_file, job_dir, r, logs[r]) for r in (1, 2)]
+    ranks = [start_rank(site_file, job_dir, 0, logs[0], "hap", netns=name)]
+    ranks += [start_rank(site_file, job_dir, r, logs[r], "hap") for r in (1, 2)]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
     try:
         wait_for(lambda: sum(r["state"] == "serving" for r in status(job_dir).get("replicas", [])) >= 2, 120,
                  "two serving replicas")
-        first = controller(job_dir)
+        first = read_json(job_dir / "controller.json")
         assert f"//{address.rsplit('.', 1)[0]}.2:" in first["endpoint"], (first, output())
         time.sleep(1.0)
         ip("link", "set", host_if, "down")
         cut = time.time()
-        wait_for(lambda: controller(job_dir).get("endpoint") not in (None, "", first["endpoint"]), 30,
+        wait_for(lambda: read_json(job_dir / "controller.json").get("endpoint")
+                 not in (None, "", first["endpoint"]), 30,
                  "a new leader on this side")
         wait_for(lambda: "stopped leading" in logs[0].read_text(), 30, "the old leader to close its plane")
         old, new_log = logs[0].read_text(), next(p for p in logs[1:] if " leads (election key" in p.read_text())
@@ -84,7 +65,7 @@ def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):
         # healed: rank 0 stays a standby; its agent follows the new leader like the others
         wait_for(lambda: {a["agent_id"] for a in status(job_dir).get("agents", []) if a["state"] == "alive"}
                  == set(NODES), 60, "every agent at the new leader")
-        assert controller(job_dir)["endpoint"] != first["endpoint"]
+        assert read_json(job_dir / "controller.json")["endpoint"] != first["endpoint"]
         assert logs[0].read_text().count(" leads (election key") == 1, output()
     finally:
         subprocess.run(["ip", "link", "set", host_if, "up"], capture_output=True)

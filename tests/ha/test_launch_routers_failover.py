@@ -8,11 +8,8 @@ rank leads with its own router alone, and its gateway fails no request either.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,27 +18,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.ha.conftest import client_for, fleet_state_names, tls_settings
+from tests.ha.conftest import NODES, client_for, fleet_state_names, read_json as read, start_rank, tls_settings
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
 TTL = 2.0
-NODES = ["nodea", "nodeb", "nodec"]
 
 
-def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "SLURM_JOB_ID": "ha3", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(NODES)),
-           "SLURMD_NODENAME": NODES[rank]}
-    return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
-                             "--job-dir", str(job_dir), "--port", "0"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def status(job_dir: Path) -> dict:
@@ -70,7 +55,7 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
     site_file.write_text(yaml.safe_dump(site))
     job_dir = tmp_path / "job"
     logs = [tmp_path / f"rank{r}.log" for r in range(3)]
-    ranks = [start_rank(site_file, job_dir, r, logs[r]) for r in range(3)]
+    ranks = [start_rank(site_file, job_dir, r, logs[r], "ha3", curve=True) for r in range(3)]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
     codes: dict[int, list[int]] = {1: [], 2: []}
     done = threading.Event()
