@@ -188,6 +188,34 @@ class Job:
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.job_id)], capture_output=True)
 
+    def cancel_and_wait(self, timeout: float = 30.0) -> None:
+        """scancel, then wait (at most `timeout`) until Slurm reports the job ended or forgets it."""
+        from exaserve_hpc.slurm.client import CliSlurmClient
+        self.cancel()
+        client = CliSlurmClient()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if client.job(self.job_id).state.terminal:
+                    return
+            except Exception:
+                return
+            time.sleep(0.5)
+
+
+def wait_job(predicate, timeout: float, what: str, job: Job, poll: float = 0.5):
+    """predicate()'s first true value within `timeout`; on time-out an AssertionError carrying the job's
+    output and the cluster's log tail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    logs = cluster("logs", check=False).stdout[-4000:]
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\njob output:\n{job.log()}\n"
+                         f"cluster logs (tail):\n{logs}")
+
 
 def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "",
            port: Optional[int] = 0) -> Job:

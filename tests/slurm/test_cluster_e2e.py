@@ -33,16 +33,7 @@ def fleet_job(slurm_cluster):
     try:
         yield job
     finally:
-        job.cancel()
-        client = CliSlurmClient()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if client.job(job.job_id).state.terminal:
-                    break
-            except Exception:
-                break
-            time.sleep(0.5)
+        job.cancel_and_wait()
         for node in ("n1", "n2", "n3", "n4"):
             cluster("revive-node", node, check=False)
         remove_shared_dir(directory)

@@ -25,7 +25,6 @@ from exaserve_hpc.config import load_site
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage
-from exaserve_hpc.slurm.client import CliSlurmClient
 from exaserve_hpc.topology import topology_from_site
 
 from .fleet import (ROOT, Job, RequestStream, check_devices, cluster, environ, kill_and_watch, node_processes,
@@ -75,16 +74,7 @@ def fleet(slurm_cluster):
         wait_serving(job, agents=4, replicas=REPLICAS, timeout=180)
         yield job, site
     finally:
-        job.cancel()
-        client = CliSlurmClient()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if client.job(job.job_id).state.terminal:
-                    break
-            except Exception:
-                break
-            time.sleep(0.5)
+        job.cancel_and_wait()
         cluster("revive-node", KILLED, check=False)
         remove_shared_dir(directory)
 

@@ -18,7 +18,7 @@ from exaserve_hpc.controller_state import CHECKPOINT_FILE, load_state
 from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
 from exaserve_hpc.slurm.states import JobState
 
-from .fleet import Job, cluster, echo_site, submit, task_exits, wait_serving
+from .fleet import Job, cluster, echo_site, submit, task_exits, wait_job, wait_serving
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
@@ -26,16 +26,6 @@ NODES = 3  # of the cluster's 4: the successor gets the spare node in place of t
 REPLICAS = 3
 
 
-def wait(predicate, timeout: float, what: str, job: Job):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    logs = cluster("logs", check=False).stdout[-4000:]
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\njob output:\n{job.log()}\n"
-                         f"cluster logs (tail):\n{logs}")
 
 
 def read_json(path) -> dict:
@@ -60,7 +50,7 @@ def test_capacity_floor_checkpoints_and_a_successor_excluding_the_dead_node_rest
         cluster("kill-node", victim)
 
         checkpoint = job.job_dir / CHECKPOINT_FILE
-        record = wait(lambda: read_json(job.job_dir / "successor.json"), 60,
+        record = wait_job(lambda: read_json(job.job_dir / "successor.json"), 60,
                       "rank 0's successor job after the node loss", job)
         saved = load_state(checkpoint)
         print(f"\nrequeue: kill {victim} -> checkpoint and successor job {record['job_id']} "
@@ -74,7 +64,7 @@ def test_capacity_floor_checkpoints_and_a_successor_excluding_the_dead_node_rest
         assert victim in queued.excluded_nodes, queued
 
         # This run stops by itself; every rank still alive exits 0 (the dead node's task never reports).
-        ended = wait(lambda: client.job(job.job_id).state.terminal and client.job(job.job_id), 90,
+        ended = wait_job(lambda: client.job(job.job_id).state.terminal and client.job(job.job_id), 90,
                      "the first run to end by itself", job)
         assert ended.state is JobState.COMPLETED, ended
         exits = task_exits(job.job_id)

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import yaml
 
-from exaserve_hpc.slurm.client import CliSlurmClient
 
 from .fleet import RequestStream, cluster, echo_site, submit, wait_serving
 
@@ -66,15 +65,6 @@ def test_two_routers_on_two_nodes_and_losing_router_1s_node_fails_no_request(sha
         assert [r["state"] for r in status["router"]["routers"]] == ["serving", "lost"], status["router"]
         assert stream.sent > 50 and not stream.failed, [o.detail for o in stream.failed][:5]
     finally:
-        job.cancel()
-        client = CliSlurmClient()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if client.job(job.job_id).state.terminal:
-                    break
-            except Exception:
-                break
-            time.sleep(0.5)
+        job.cancel_and_wait()
         if lost_node:
             cluster("revive-node", lost_node, check=False)

@@ -22,7 +22,7 @@ from exaserve_hpc.quota.keys import hash_key
 from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
 from exaserve_hpc.slurm.states import JobState
 
-from .fleet import Job, cluster, echo_site, submit, wait_serving
+from .fleet import Job, echo_site, submit, wait_job, wait_serving
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
@@ -30,16 +30,6 @@ KEYS = {"climate": "exa-climate-key-0123456789abcdef", "bio": "exa-bio-key-01234
 ACCOUNTS = {"climate": "clim001", "bio": "bio002"}
 
 
-def wait(predicate, timeout: float, what: str, job: Job):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    logs = cluster("logs", check=False).stdout[-3000:]
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\njob output:\n{job.log()}\n"
-                         f"cluster logs (tail):\n{logs}")
 
 
 def send(url: str, counted: dict, rounds: int) -> None:
@@ -85,13 +75,15 @@ def test_usage_totals_equal_the_clients_counts_across_a_requeue(slurm_cluster, s
 
         # The operator's request: rank 0 checkpoints, then `scontrol requeue` ends this run.
         (job.job_dir / "requeue-requested").write_text("")
-        wait(lambda: client.job(job.job_id).state is JobState.PENDING, 60, "the job back in the queue", job)
+        wait_job(lambda: client.job(job.job_id).state is JobState.PENDING, 60, "the job back in the queue", job,
+                 poll=0.3)
         saved = load_state(job.job_dir / CHECKPOINT_FILE)
         print(f"\nusage requeue: requested -> pending {time.time() - t0:.1f}s; checkpoint quota {saved.quota}")
         # Slurm holds a requeued job until its BeginTime (about two minutes); the operator lets it start now.
         subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True,
                        capture_output=True, timeout=30)
-        after = wait(lambda: _restored(job), 120, "the requeued run serving with its checkpoint restored", job)
+        after = wait_job(lambda: _restored(job), 120, "the requeued run serving with its checkpoint restored", job,
+                         poll=0.3)
         print(f"usage requeue: requeued run serving {time.time() - t0:.1f}s")
         # The checkpoint's quota section is the ledger's figures for the first run, and the requeued run
         # restored it (its fair share starts from the first run's usage).
@@ -103,7 +95,7 @@ def test_usage_totals_equal_the_clients_counts_across_a_requeue(slurm_cluster, s
     finally:
         job.cancel()
         try:
-            wait(lambda: client.job(job.job_id).state.terminal, 60, "the job to end", job)
+            wait_job(lambda: client.job(job.job_id).state.terminal, 60, "the job to end", job, poll=0.3)
         except SlurmError:
             pass
 
