@@ -1,6 +1,7 @@
 """One control plane, built the same way by `exaserve serve` (serve.py) and rank 0 of `exaserve launch`
 (launcher/rank.py): model checkpoints, the router, the controller (restored from its checkpoint when
-one is there), this node's agent, the HTTP gateway with the admin routes, and the state keeper.
+one is there), this node's agent, the HTTP gateway with the admin routes, and the state keeper. How the
+routers and gateways are made from the site config is control_plane_routing.py's (router k's rank uses it too).
 
     plane = ControlPlane(site, PlaneSettings(node="n1", state_dir=job_dir, across_nodes=True, ...))
     plane.add_stop_hook(watch.stop)     # run first when the plane stops
@@ -42,20 +43,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from . import metrics
 from .addresses import AddressError, http_url, resolve_listen
 from .config import SiteConfig
+from .control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
+    STOP_SIGNALS, ControlPlaneError, gateway_server, listen_socket, plane_gateway_app, plane_routers)
 from .controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
-from .router.breaker import BreakerSettings
-from .router.dispatch import Dispatcher, DispatchSettings
 from .state_keeper import StateKeeper
 
 log = logging.getLogger("exaserve.control")
 console = Console(stderr=True)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class ControlPlaneError(Exception):
-    """A problem that stops the control plane before it serves; the message names the setting."""
-
-
 ServeError = ControlPlaneError  # the name `exaserve serve` used
 
 
@@ -91,50 +85,6 @@ def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
                 raise ControlPlaneError(f"model {model.model_name}: {exc}") from exc
 
 
-def router_policy(site: SiteConfig):
-    """The routing policy the site's router section asks for, with its settings (router/policies.py)."""
-    from .router.policies import policy_for_site
-    return policy_for_site(site.router, site.batching)
-
-
-def dispatch_settings(site: SiteConfig) -> DispatchSettings:
-    r = site.router
-    return DispatchSettings(max_attempts=r.max_attempts, request_timeout=r.request_timeout,
-                            first_token_timeout=r.first_token_timeout,
-                            replica_expiry=r.replica_heartbeat * r.replica_misses,
-                            stall_timeout=r.stall_timeout or 0.0,
-                            breaker=BreakerSettings(failures=r.breaker_failures, cooloff=r.breaker_cooloff))
-
-
-def make_router(site: SiteConfig, bind: str, frontend_port: int, backend_port: int, curve=None):
-    """A started router (its own dispatcher) on `bind`; a port it cannot take is a ControlPlaneError."""
-    from .router.zmq_router import ZmqRouter
-    dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
-    try:
-        return ZmqRouter(dispatcher, bind, frontend_port, backend_port, curve=curve).start()
-    except Exception as exc:  # zmq.ZMQError: a busy port, an address we cannot bind
-        raise ControlPlaneError(f"router: cannot listen on {bind} (frontend_port {frontend_port}, backend_port "
-                                f"{backend_port}): {exc}; set router.frontend_port / router.backend_port (0: any "
-                                f"free port) or router.interface") from exc
-
-
-def listen_socket(host: str, port: int, setting: str = "gateway.port"):
-    """Bind the gateway's socket ourselves, so port 0 works and a busy port is a clear error at start."""
-    import socket
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host.strip("[]"), port))
-    except OSError as exc:
-        sock.close()
-        raise ControlPlaneError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another port with "
-                                f"--port (0 picks a free one) or set {setting}") from exc
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
-
-
 def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfig,
                         env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """This node's agent as a child process (`exaserve serve`): it dies with us. `env` is added to ours
@@ -147,31 +97,6 @@ def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfi
                "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path)),
                "--gpus-per-node", str(site.cluster.gpus_per_node)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-
-
-def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **config):
-    """A uvicorn server that stops on SIGINT, SIGTERM and SIGUSR1 and returns, so our shutdown runs.
-
-    uvicorn re-raises the captured signal after its own shutdown, which would kill this process
-    before the replicas are drained; we take that part out. on_signal(sig) runs first, in the handler.
-    """
-    import uvicorn
-
-    class GatewayServer(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            def handle(sig, frame):
-                on_signal(sig)
-                self.handle_exit(sig if sig == signal.SIGINT else signal.SIGTERM, frame)
-
-            previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return GatewayServer(uvicorn.Config(app, **config))
 
 
 def write_state(run_dir: Path, url: str, site: SiteConfig, routers: Optional[list[dict]] = None) -> Path:
@@ -269,19 +194,9 @@ class ControlPlane:
         self._closers.append(self.listener.close)
         self.url = http_url(publish, self.listener.getsockname()[1])
 
-        if s.local_router is not None and site.router.count > 1:  # an HA leader's own rank's router
-            self.router = s.local_router
-        else:
-            self.router = make_router(site, router_bind, site.router.frontend_port, site.router.backend_port,
-                                      s.curve)
-            self._closers.append(self.router.stop)
-        self.routers = None  # several routers sharing the fleet (router.count > 1; several_routers.py)
-        if site.router.count > 1:
-            from .several_routers import SeveralRouters
-            self.routers = SeveralRouters(site, self.router, router_bind, s,
-                                          lambda fp, bp: make_router(site, router_bind, fp, bp, s.curve))
-            self._closers.append(self.routers.stop)
-            self.router = self.routers.group  # what the controller, status and /metrics see
+        # self.router: what the controller, status and /metrics see (router 0, or the group of router.count);
+        # self.routers: the SeveralRouters sharing the fleet (router.count > 1; several_routers.py), else None
+        self.router, self.routers = plane_routers(site, s, router_bind, self._closers)
         grace = {"placement_grace": max(10.0, 3 * site.heartbeat.expiry)} if s.expected_agents else {}
         self.controller = Controller(site, self.router, host=router_bind, curve=s.curve,
                                      expected_agents=s.expected_agents, **grace)
@@ -382,17 +297,9 @@ class ControlPlane:
 
     def _gateway_app(self, frontend: str):
         """A gateway app over the router at `frontend` (router 0's; serve's other gateways, their router's)."""
-        from .router.admin_api import serving_admin_routes
-        from .router.backend import ModelInfo
-        from .router.client import RouterClient
-        from .router.gateway import create_app
-        created = int(time.time())
-        models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in self.site.models]
-        client = RouterClient(frontend, models, status=self.controller.status,
-                              ready=lambda: self.controller.serving_count() > 0, curve=self.settings.curve)
-        return create_app(client, self.site, admin_routes=serving_admin_routes(
-            self.site, self.router, self.controller, self.gateway_host, admin_key=self._admin_key),
-            admin_key=self._admin_key, ledger=self._ledger, admission=self._admission)
+        return plane_gateway_app(self.site, frontend, self.controller, self.router, self.gateway_host,
+                                 self.settings.curve, admin_key=self._admin_key, ledger=self._ledger,
+                                 admission=self._admission)
 
     # ---------------------------------------------------------------- running and stopping
 

@@ -56,7 +56,7 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
 def check_router_count(site: SiteConfig, size: int) -> None:
     """router.count routers need that many ranks (router k runs on rank k)."""
     if site.router.count > size:
-        from ..control_plane import ControlPlaneError
+        from ..control_plane_routing import ControlPlaneError
         raise ControlPlaneError(f"router.count is {site.router.count} but the job has {size} node(s); allowed: "
                                 f"1 to {size} (router k runs on rank k), or submit with --nodes {site.router.count}")
 
@@ -71,7 +71,7 @@ class RankRouter:
         import uvicorn
 
         from ..addresses import AddressError, http_url, resolve_listen
-        from ..control_plane import ControlPlaneError, listen_socket, make_router
+        from ..control_plane_routing import ControlPlaneError, listen_socket, make_router
         from ..router.router_link import RouterControl
         r, g = site.router, site.gateway
         try:

@@ -6,8 +6,8 @@ One event heap in simulated seconds; nothing reads the wall clock, opens a socke
   `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
   the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
   scale-down choices are therefore the running code's.
-- The router is `router.dispatch.Dispatcher` with the site's policy (`control_plane.router_policy`) and
-  settings (`control_plane.dispatch_settings`), wrapped by `SimRouter`; requests go to it as the gateway
+- The router is `router.dispatch.Dispatcher` with the site's policy (`control_plane_routing.router_policy`) and
+  settings (`control_plane_routing.dispatch_settings`), wrapped by `SimRouter`; requests go to it as the gateway
   would send them (the prompt's block hashes precomputed in the router's scheme), its replies are
   delivered to the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report
   ReplicaStats every router.replica_heartbeat, and the dispatcher's tick runs every second.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import SiteConfig
-from ..control_plane import dispatch_settings, router_policy
+from ..control_plane_routing import dispatch_settings, router_policy
 from ..engine.timing import timings_for
 from ..protocol import (
     Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
