@@ -1,51 +1,21 @@
-"""The simulated side of the control plane: a router that wraps the real Dispatcher, and node agents.
-
-`SimRouter` is what the controller holds as its router (`backend_endpoint`, `snapshot()`,
-`replica_lost()`, `drain()`), backed by the real `router.dispatch.Dispatcher` with the site's routing
-policy; whatever the dispatcher answers (requests to replicas, chunks and errors to the gateway) is
-queued in `out` for the simulation to deliver. No sockets: the endpoints are names.
+"""The simulated nodes of the control plane (the routers are routers.py's).
 
 `SimAgent` is one node: it answers StartReplica by reporting the replica loading, then serving after a
-simulated load time (the replica then says hello to the router), and StopReplica by draining the replica
+simulated load time (the replica then says hello to every router), and StopReplica by draining the replica
 and reporting it stopped; it heartbeats while alive. A dead agent says nothing and its replicas vanish.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
 
 from ..engine.timing import GpuTimings
 from ..protocol import ReplicaBye, ReplicaEvent, ReplicaHello
-from ..router.dispatch import Dispatcher
 from ..scheduler.catalogue import ModelSpec
 from .replica import SimReplica
 
 REFERENCE_WEIGHT_BYTES = 16e9  # GpuTimings are for an 8B-parameter fp16 model on one GPU (engine/timing.py)
 STEP_TOKENS = 8192  # prefill tokens per step across the batch (vLLM's max_num_batched_tokens default)
-
-
-class SimRouter:
-    backend_endpoint = "sim://router-backend"
-    frontend_endpoint = "sim://router-frontend"
-
-    def __init__(self, dispatcher: Dispatcher, clock: Callable[[], float]):
-        self.dispatcher = dispatcher
-        self.clock = clock
-        self.out: list = []  # Outgoing, delivered by the simulation
-        self._snapshot: tuple[float, dict] = (-1.0, {})
-
-    def snapshot(self) -> dict:
-        now = self.clock()
-        if self._snapshot[0] != now:  # the controller reads it more than once per tick
-            self._snapshot = (now, self.dispatcher.snapshot())
-        return self._snapshot[1]
-
-    def replica_lost(self, replica_id: str, why: str) -> None:
-        self.out += self.dispatcher.replica_lost(replica_id, why, self.clock())
-
-    def drain(self, replica_id: str) -> None:
-        self.out += self.dispatcher.drain(replica_id)
 
 
 def scaled_timings(base: GpuTimings, spec: ModelSpec) -> GpuTimings:

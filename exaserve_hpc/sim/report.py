@@ -127,6 +127,17 @@ def write_report(out: Path, summary: dict, samples, events, t0: float, wall_s: f
     lines += ["", "| model | completed | TTFT p50 / p99 (s) | end-to-end p50 / p99 (s) |", "|---|---|---|---|"]
     lines += [f"| {m} | {f['completed']} | {_fmt(f['ttft_p50_s'])} / {_fmt(f['ttft_p99_s'])} | "
               f"{_fmt(f['e2e_p50_s'])} / {_fmt(f['e2e_p99_s'])} |" for m, f in summary.get("by_model", {}).items()]
+    routers = summary.get("routers")
+    if routers:
+        cost = routers["cost_per_request_s"]
+        lines += ["", f"## Routers: {routers['count']}, {1e6 * cost:.0f} us of CPU a request, gateways "
+                      f"{routers['pick']}", "",
+                  "| router | requests routed | share | load (CPU-s/s) | utilisation (peak interval) | queue peak "
+                  "| wait mean / max |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {p['router']} | {p['routed']} | {p['share']:.1%} | {p['load']:.2f} | {p['utilisation']:.1%} "
+                  f"({p['utilisation_peak']:.1%}) | {p['queue_peak']} | {1000 * p['wait_mean_s']:.2f} / "
+                  f"{1000 * p['wait_max_s']:.1f} ms |" for p in routers["per_router"]]
+        lines += ["", f"Prefix-cache hit rate over the run: {summary.get('prefix_hit_rate', 0):.1%} of prompt tokens."]
     if comparison:
         lines += ["", "## Static vs dynamic", "", comparison["text"], "",
                   "| run | GPU utilisation | batch-weighted | GPU-hours held | TTFT p50 / p99 | e2e p99 | SLO held "

@@ -17,16 +17,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import SiteConfig
 from .report import write_report
+from .routers import PICKS, ROUTER_COST_S
 from .simulation import Simulation
 from .workload import Workload, workload_from_args
 
 
 def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = None, static: bool = False,
              seed: int = 0, console: Optional[Console] = None, run_dir: Optional[Path] = None,
-             label: str = "") -> tuple[Simulation, dict, float]:
-    """One run; returns (simulation, summary, wall seconds)."""
+             label: str = "", routers: int = 0, router_cost: float = ROUTER_COST_S,
+             router_pick: str = "round_robin") -> tuple[Simulation, dict, float]:
+    """One run; returns (simulation, summary, wall seconds). routers: 0 is the site's router.count."""
     total = duration or workload.duration
-    sim = Simulation(site, workload, duration, seed=seed, static=static, run_dir=run_dir)
+    sim = Simulation(site, workload, duration, seed=seed, static=static, run_dir=run_dir, routers=routers,
+                     router_cost=router_cost, router_pick=router_pick)
     progress = Progress(TextColumn(f"simulating {label or ('static' if static else 'dynamic')}"), BarColumn(),
                         TextColumn("{task.fields[where]}"), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=True)
@@ -81,9 +84,22 @@ def comparison_text(static: dict, dynamic: dict) -> dict:
             "slo_held_both": both, "text": text}
 
 
+def routers_line(r: dict) -> str:
+    per = "; ".join(f"router {p['router']}: {p['share']:.0%} of requests, load {p['load']:.2f} CPU-s/s, "
+                    f"utilisation {p['utilisation']:.0%} "
+                    f"(peak {p['utilisation_peak']:.0%}), queue peak {p['queue_peak']}, wait mean "
+                    f"{1000 * p['wait_mean_s']:.1f} ms" for p in r["per_router"])
+    return (f"routers: {r['count']} at {1e6 * r['cost_per_request_s']:.0f} us a request "
+            f"(at most {r['capacity_per_s'] or float('inf'):,.0f} requests/s together), gateways {r['pick']}; {per}")
+
+
 def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
     workload = workload_from_args(args, console)
     if workload is None:
+        return 2
+    if (args.routers is not None and not 1 <= args.routers <= 64) or not args.router_cost_us >= 0:
+        console.print(f"[red]error[/]: --routers must be 1..64 (as router.count) and --router-cost-us >= 0; got "
+                      f"{args.routers} and {args.router_cost_us:g}", highlight=False)
         return 2
     runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
     sites = {name: site for name in runs}
@@ -98,7 +114,9 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
     results = {}
     for name in runs:
         sim, summary, wall = simulate(sites[name], workload, args.duration, static=name == "static", seed=args.seed,
-                                      label=name, run_dir=Path(args.out) / "run" if args.out else None)
+                                      label=name, run_dir=Path(args.out) / "run" if args.out else None,
+                                      routers=args.routers or 0, router_cost=args.router_cost_us * 1e-6,
+                                      router_pick=args.router_pick)
         results[name] = (sim, summary, wall)
         console.print(f"{name}: {summary['simulated_s']:.0f} s simulated in {wall:.1f} s wall "
                       f"(ratio {summary['sim_wall_ratio']:.2f}); {summary['accepted']} accepted, "
@@ -108,6 +126,7 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
                       f"{summary['gpu_util_allocated']:.1%} (batch-weighted {summary['gpu_batch_occupancy']:.1%}); "
                       f"SLO {'held' if summary['slo_held'] else 'NOT held'}",
                       highlight=False)
+        console.print(routers_line(summary["routers"]), highlight=False)
     comparison = comparison_text(results["static"][1], results["dynamic"][1]) if len(runs) == 2 else None
     if comparison:
         console.print(comparison["text"], highlight=False)
@@ -132,3 +151,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser, site_help: str) -> N
     parser.add_argument("--size-by-capacity", action="store_true",
                         help="start each model at `exaserve capacity`'s answer for the workload (static: held there)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routers", type=int, help="routers sharing the fleet (default: the site's router.count)")
+    parser.add_argument("--router-cost-us", type=float, default=ROUTER_COST_S * 1e6,
+                        help="router CPU per request in microseconds (one thread per router; default "
+                             f"{ROUTER_COST_S * 1e6:g}, measured by benchmarks/bench_router_throughput.py; 0: free)")
+    parser.add_argument("--router-pick", choices=PICKS, default="round_robin",
+                        help="how requests spread over the routers' gateways: round_robin (a load balancer) or "
+                             "sticky (a prefix's requests keep to one gateway)")

@@ -6,11 +6,12 @@ One event heap in simulated seconds; nothing reads the wall clock, opens a socke
   `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
   the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
   scale-down choices are therefore the running code's.
-- The router is `router.dispatch.Dispatcher` with the site's policy (`control_plane_routing.router_policy`) and
-  settings (`control_plane_routing.dispatch_settings`), wrapped by `SimRouter`; requests go to it as the gateway
-  would send them (the prompt's block hashes precomputed in the router's scheme), its replies are
-  delivered to the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report
-  ReplicaStats every router.replica_heartbeat, and the dispatcher's tick runs every second.
+- The routers are `router.dispatch.Dispatcher`s with the site's policy and settings, `router.count` of
+  them (or `routers`) sharing the fleet as in a real job, each behind one thread that spends
+  `router_cost` seconds of CPU per request (routers.py); requests go to one router as its gateway would
+  send them (the prompt's block hashes precomputed in the router's scheme), its replies are delivered to
+  the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report ReplicaStats to
+  every router every router.replica_heartbeat, and the dispatchers' tick runs every second.
 - Faults (workload.py) at their times; the controller finds a dead node by its missing heartbeats, the
   router by its replicas' missing stats, exactly as in a real run. When the controller's own node dies the
   requeue policy (`scheduler.requeue_policy`) is asked what rank 0 would do and its answer is recorded; the
@@ -27,29 +28,30 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import SiteConfig
-from ..control_plane_routing import dispatch_settings, router_policy
 from ..engine.timing import timings_for
 from ..protocol import (
     Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
     StartReplica, StopReplica, TokenChunk,
 )
-from ..router.dispatch import GATEWAY, Dispatcher
+from ..router.dispatch import GATEWAY
 from ..scheduler.catalogue import catalogue_from_site
 from ..scheduler.controller import Controller
 from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
-from .fleet import SimAgent, SimRouter
+from .fleet import SimAgent
 from .metrics import Recorder
 from .replica import SharedGpus, SimSeq
+from .routers import ROUTER_COST_S, SimRouters
 from .workload import Workload, arrivals
-
-GATEWAY_ID = b"sim-gateway"
 
 
 class Simulation:
     def __init__(self, site: SiteConfig, workload: Workload, duration: Optional[float] = None, seed: int = 0,
                  sample_every: Optional[float] = None, run_dir: Optional[Path] = None, drain_limit: float = 900.0,
-                 on_progress: Optional[Callable[[float], None]] = None, static: bool = False):
-        """static: replicas fixed at the site's plan (the autoscaler decides nothing; failover still re-places)."""
+                 on_progress: Optional[Callable[[float], None]] = None, static: bool = False, routers: int = 0,
+                 router_cost: float = ROUTER_COST_S, router_pick: str = "round_robin"):
+        """static: replicas fixed at the site's plan (the autoscaler decides nothing; failover still re-places).
+        routers: how many share the fleet (0: the site's router.count); router_cost: CPU-seconds a router's
+        thread spends per request; router_pick: how gateways are chosen (routers.PICKS)."""
         self.site, self.workload = site, workload
         self.duration = duration or workload.duration
         self.seed = seed
@@ -69,14 +71,10 @@ class Simulation:
         self._block = {s.model: s.block_tokens for s in workload.streams}
         self._max_seq = {m: spec.max_seq_len for m, spec in self.catalogue.items()}
         self.too_long = 0  # requests longer than their model's max_seq_len, refused at the gateway
-        policy = router_policy(site)
-        for sampler in (policy, getattr(policy, "balance", None)):  # the policy's random draws: from the seed
-            if hasattr(sampler, "rng"):
-                sampler.rng.seed(seed)
-        self.dispatcher = Dispatcher(policy, dispatch_settings(site), self.models)
+        self.router = SimRouters(site, self.models, lambda: self.now, routers, router_cost, router_pick, seed)
+        self.dispatcher = self.router.threads[0].dispatcher  # router 0's: its settings and hasher are all routers'
         # decoding replicas report progress well within the router's stall limit (real ones every ~20 ms)
         self.progress_every = min(10.0, self.dispatcher.settings.stall_limit / 4)
-        self.router = SimRouter(self.dispatcher, lambda: self.now)
         hosts = site.cluster.hostnames()
         self.agents = {h: SimAgent(h, self) for h in hosts}
         self.ctl = Controller(site, self.router, clock=lambda: self.now, bind_socket=False, expected_agents=hosts,
@@ -109,7 +107,8 @@ class Simulation:
             self._flush()
 
     def to_router(self, replica_id: str, message) -> None:
-        self._send(self.dispatcher.on_replica_message(replica_id, message, self.now))
+        """A hello or bye: to every router, as a replica's links broadcast it."""
+        self._send(self.router.broadcast(replica_id, message, self.now))
 
     def drop_copy(self, replica_id: str) -> None:
         """A replica started again under its id: the old copy (if any still runs) goes."""
@@ -174,17 +173,21 @@ class Simulation:
         if version != replica.version or not replica.alive:
             return  # rescheduled since, or dead
         out = []
-        rid = replica.replica_id
+        rid, requests = replica.replica_id, self.requests
         for kind, seq in replica.wake(now):
+            info = requests.get(seq.request_id)
+            if info is None:
+                continue  # ended at the gateway already (its router would drop the late answer)
+            dispatcher = info[3].dispatcher  # the answer goes to the router that sent the request
             if kind == "first":
-                out += self.dispatcher.on_replica_message(
+                out += dispatcher.on_replica_message(
                     rid, TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
                                     finish_reason="length" if seq.max_tokens <= 1 else None), now)
             elif kind == "progress":
-                out += self.dispatcher.on_replica_message(
+                out += dispatcher.on_replica_message(
                     rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * seq.progress), now)
             elif seq.max_tokens > 1:
-                out += self.dispatcher.on_replica_message(
+                out += dispatcher.on_replica_message(
                     rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - seq.sent),
                                     finished=True, finish_reason="length"), now)
         if replica.busy:
@@ -202,7 +205,8 @@ class Simulation:
         k = self.rec.arrivals
         self.rec.arrivals += 1
         rid = f"q{k}"
-        self.requests[rid] = [request, now, -1.0]
+        thread = self.router.pick(request.blocks)
+        self.requests[rid] = [request, now, -1.0, thread]
         hashes, scheme = [], ""
         if self._hasher is not None:
             count = self._hasher.blocks(request.prompt)
@@ -212,7 +216,15 @@ class Simulation:
             scheme = self._hasher.scheme
         req = GenerateRequest(request_id=rid, model=request.model, prompt_token_ids=[0] * request.prompt,
                               max_tokens=request.max_tokens, prefix_hashes=hashes, prefix_scheme=scheme)
-        self._send(self.dispatcher.on_request(GATEWAY_ID, req, now))
+        if thread.cost <= 0:
+            self._send(thread.dispatcher.on_request(thread.gateway, req, now))
+        else:  # the router's thread takes it after those ahead of it
+            self.later(thread.take(now), self._routed, thread, req)
+
+    def _routed(self, now: float, thread, req: GenerateRequest) -> None:
+        thread.held -= 1
+        thread.routed += 1
+        self._send(thread.dispatcher.on_request(thread.gateway, req, now))
 
     def _heartbeats(self, now: float) -> None:
         for agent in self.agents.values():
@@ -244,9 +256,9 @@ class Simulation:
                                             requests_finished=r.finished, prefix_hit_tokens=r.hit_tokens,
                                             prefix_query_tokens=r.query_tokens, kv_blocks_cached=len(r.cache))))
         out = []
-        for rid, message in stats:
-            out += self.dispatcher.on_replica_message(rid, message, now)
-        out += self.dispatcher.tick(now)
+        for rid, message in stats:  # every replica's stats reach every router
+            out += self.router.broadcast(rid, message, now)
+        out += self.router.tick(now)
         self._send(out)
         self.later(now + self.site.router.replica_heartbeat, self._router_tick)
 
@@ -258,12 +270,13 @@ class Simulation:
                 serving[r.model] = serving.get(r.model, 0) + 1
             if r.assignment is not None:
                 gpus.update((stage.node, g) for stage in r.assignment.stages for g in stage.gpus)
-        queue = len(self.dispatcher.pending) + sum(len(r.waiting) for r in self.replicas.values())
+        queue = self.router.pending() + sum(len(r.waiting) for r in self.replicas.values())
         hit = sum(r.hit_tokens for r in self.replicas.values()) + self._gone_hits[0]
         query = sum(r.query_tokens for r in self.replicas.values()) + self._gone_hits[1]
         self.slot_sampled = self.gpus.slot_s
         self.rec.close(now, self.gpus.work_s, len(gpus), len(self.agents) * self.site.cluster.gpus_per_node, serving,
-                       queue, len(self.dispatcher.inflight), hit, query, sum(a.alive for a in self.agents.values()))
+                       queue, self.router.inflight(), hit, query, sum(a.alive for a in self.agents.values()))
+        self.router.sample(now, self.rec.interval)
         if self.on_progress is not None:
             self.on_progress(now)
         if now < self.duration or self.requests:
@@ -346,7 +359,7 @@ class Simulation:
         return self.summary()
 
     def summary(self) -> dict:
-        rec, d = self.rec, self.dispatcher.counters
+        rec, d = self.rec, self.router.counters()
         lost = rec.arrivals - rec.completed
         return {
             "site": self.site.site, "workload": self.workload.name, "duration_s": self.duration,
@@ -365,5 +378,7 @@ class Simulation:
             "slo_held": (rec.ttft_all.quantile(0.99) <= self.workload.slo_ttft_p99
                          and rec.e2e_all.quantile(0.99) <= self.workload.slo_e2e_p99),  # latency; `lost` apart
             "static": self.static, "by_model": rec.by_model(),
+            "prefix_hit_rate": rec.hit / rec.query if rec.query else 0.0,  # prompt tokens found cached, whole run
+            "routers": self.router.summary(self.t0, self.t0 + self.duration),
         }
 
