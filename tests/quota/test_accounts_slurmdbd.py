@@ -1,5 +1,6 @@
 """Quota groups' Slurm accounts against real Slurm accounting: MariaDB and slurmdbd brought up by
-tests/slurm/accounting.sh, accounts and associations made with sacctmgr, checked by the real sacctmgr."""
+tests/slurm/accounting.sh (and stopped by it after the module), accounts and associations made with
+sacctmgr, checked by the real sacctmgr."""
 
 from __future__ import annotations
 
@@ -29,25 +30,29 @@ def accounting(tmp_path_factory):
                and not os.path.exists(f"/usr/sbin/{c}")]
     if missing:
         pytest.skip(f"missing {', '.join(missing)}: apt-get install slurmdbd mariadb-server munge")
-    up = subprocess.run([str(SCRIPT), "up"], capture_output=True, text=True, timeout=180)
-    assert up.returncode == 0, up.stdout + up.stderr
-    conf = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
     previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
+    try:  # MariaDB and slurmdbd go down again whatever happens from here (a half-finished `up` included)
+        up = subprocess.run([str(SCRIPT), "up"], capture_output=True, text=True, timeout=180)
+        assert up.returncode == 0, up.stdout + up.stderr
+        conf = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+        os.environ["SLURM_CONF"] = conf
 
-    def sacctmgr(*args: str) -> None:
-        done = subprocess.run(["sacctmgr", "-i", *args], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 or "Nothing new added" in done.stdout + done.stderr, done.stdout + done.stderr
+        def sacctmgr(*args: str) -> None:
+            done = subprocess.run(["sacctmgr", "-i", *args], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0 or "Nothing new added" in done.stdout + done.stderr, done.stdout + done.stderr
 
-    sacctmgr("add", "account", "clim001", "cluster=exaacct")
-    sacctmgr("add", "account", "bio002", "cluster=exaacct")
-    sacctmgr("add", "user", USER, "account=clim001", "cluster=exaacct")
-    yield conf
-    subprocess.run(["sacctmgr", "-i", "delete", "user", USER], capture_output=True, timeout=60)
-    if previous is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = previous
+        sacctmgr("add", "account", "clim001", "cluster=exaacct")
+        sacctmgr("add", "account", "bio002", "cluster=exaacct")
+        sacctmgr("add", "user", USER, "account=clim001", "cluster=exaacct")
+        yield conf
+        subprocess.run(["sacctmgr", "-i", "delete", "user", USER], capture_output=True, timeout=60)
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        down = subprocess.run([str(SCRIPT), "down"], capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, f"accounting.sh down left a daemon running: {down.stdout + down.stderr}"
 
 
 def site(groups: list[dict]):

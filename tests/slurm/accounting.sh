@@ -4,7 +4,8 @@
 # its slurmctld keeps AccountingStorageType=none; only sacctmgr, as the quota check runs it, talks to this.
 #
 #   tests/slurm/accounting.sh up      start MariaDB and slurmdbd (idempotent); prints SLURM_CONF=...
-#   tests/slurm/accounting.sh down    stop both (the database is kept in the state directory)
+#   tests/slurm/accounting.sh down    stop both and wait until they have exited (the database is kept in
+#                                     the state directory); munged is the test cluster's and stays
 #   tests/slurm/accounting.sh env     print SLURM_CONF=... when up
 #
 # Needs root and Debian's slurmdbd, mariadb-server and munge (`cluster.sh munge` starts munged when it is not running).
@@ -82,6 +83,29 @@ dbd_up() {
     fi
 }
 
+# stop NAME PIDFILE: the daemon the pid file names, only if it is that daemon (a stale file's pid may be
+# another process's by now), waiting until it has exited so the next `up` never meets a half-stopped one.
+stop() {
+    local name=$1 pidfile=$2 pid
+    [ -s "$pidfile" ] || return 0
+    pid=$(cat "$pidfile")
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]; then
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 150); do  # up to 30 s: MariaDB writes its buffers out before it exits
+            running "$pid" || break
+            sleep 0.2
+        done
+        if running "$pid"; then
+            echo "$name (pid $pid) still running 30 s after SIGTERM; see $STATE/log" >&2
+            return 1
+        fi
+    fi
+    rm -f "$pidfile"
+}
+
+# running PID: alive and not a zombie (our daemons are reparented, and whoever adopts them may not reap them).
+running() { [ -e "/proc/$1" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
+
 case "${1:-}" in
     up)
         "$(dirname "$0")/cluster.sh" munge  # the same munged the test cluster uses; started if it is not running
@@ -91,8 +115,10 @@ case "${1:-}" in
         echo "SLURM_CONF=$STATE/slurm.conf"
         ;;
     down)
-        [ -s "$STATE/run/slurmdbd.pid" ] && kill "$(cat "$STATE/run/slurmdbd.pid")" 2>/dev/null || true
-        [ -s "$STATE/run/mariadb.pid" ] && kill "$(cat "$STATE/run/mariadb.pid")" 2>/dev/null || true
+        rc=0
+        stop slurmdbd "$STATE/run/slurmdbd.pid" || rc=1  # first: it writes to the database until it exits
+        stop mariadbd "$STATE/run/mariadb.pid" || rc=1
+        exit $rc
         ;;
     env)
         echo "SLURM_CONF=$STATE/slurm.conf"
