@@ -67,6 +67,8 @@ class SimAgent:
             block_tokens=self.sim.block_tokens(msg.model), chunk_tokens=self.sim.site.batching.prefill_chunk_tokens,
             step_tokens=STEP_TOKENS, gpus=tuple((self.node, g) for g in msg.gpu_indices) or ((self.node, 0),),
             shared=self.sim.gpus, slow=self.slow, progress_every=self.sim.progress_every)
+        if self.sim.router.follows_kv_events and self.sim._hasher is not None:
+            replica.kv_log = []  # precise prefix routing: the routers follow its cache
         self.replicas[replica_id] = replica
         self.sim.replicas[replica_id] = replica
         self.sim.to_controller(now, self.node, ReplicaEvent(agent_id=self.node, replica_id=replica_id, state="serving"))

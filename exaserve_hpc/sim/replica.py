@@ -13,7 +13,9 @@ formula (step overhead, prefill tokens and attention pairs, decoding sequences, 
   computes only the blocks after its longest cached prefix;
 - GPUs shared by several replicas (gpu_memory_utilization < 1): a step takes as many times longer as
   there are busy replicas on its GPU when it starts (`SharedGpus`);
-- `slow`: a multiplier on every step (a slow node).
+- `slow`: a multiplier on every step (a slow node);
+- with precise prefix routing, the blocks its cache stores and evicts (`kv_log`), which the simulation
+  publishes to every router as an engine's KV events.
 Steps with only decodes are taken in one segment up to the next sequence that finishes (closed form),
 at most `progress_every` seconds long; a request arriving meanwhile cuts the segment at the next step
 boundary. Events: a first token (end of the prompt's last prefill step), a finish, each stamped with its
@@ -96,6 +98,9 @@ class SimReplica:
         self.finished = 0
         self.alive = True
         self.draining_until = None  # set when its agent is asked to stop it
+        # precise prefix routing: what the cache stored and evicted since the routers last heard, as an engine
+        # publishes its KV events (("stored" | "removed", block ids)); None when no router follows them
+        self.kv_log: list | None = None
         self._n = 0
 
     # ---------------------------------------------------------------- requests
@@ -266,15 +271,23 @@ class SimReplica:
         self.by_id.pop(seq.request_id, None)
         self.finished += 1
         out.append(("done", seq))
-        cache = self.cache
+        cache, log = self.cache, self.kv_log
+        stored = []
         for b in seq.blocks:
             if b in cache:
                 cache.move_to_end(b)
             else:
                 cache[b] = None
+                stored.append(b)
         room = max(0, (self.kv_tokens - self.used) // self.block)
+        removed = []
         while len(cache) > room:
-            cache.popitem(last=False)
+            removed.append(cache.popitem(last=False)[0])
+        if log is not None:
+            if stored:
+                log.append(("stored", stored))
+            if removed:
+                log.append(("removed", removed))
 
     def drop_all(self) -> list[str]:
         """The node died: everything it held is gone (the router finds out by itself)."""

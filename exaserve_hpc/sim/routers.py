@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..control_plane_routing import dispatch_settings, router_policy
+from ..engine.kv_events import BlockRemoved, BlockStored
 from ..router.dispatch import Dispatcher
 from ..router.router_group import merge_snapshots
 
@@ -130,8 +131,19 @@ class SimRouters:
             out += t.dispatcher.on_replica_message(replica_id, message, now)
         return out
 
-    def kv_events(self, replica_id: str, events: list) -> None:
-        """Precise mode: every router subscribes to every replica's KV events."""
+    @property
+    def follows_kv_events(self) -> bool:
+        return self.threads[0].dispatcher.follows_kv_events
+
+    def kv_events(self, replica_id: str, log: list, sub: int, block_size: int) -> None:
+        """Precise mode: a replica's KV events (its log of workload blocks stored and evicted, each block
+        `sub` router blocks of `block_size` tokens, named as the gateway hashes them) reach every router,
+        as every router subscribes to every replica's publisher."""
+        events = [BlockStored(block_hashes=[b * sub + j for b in blocks for j in range(sub)], parent_block_hash=None,
+                              token_ids=[], block_size=block_size) if kind == "stored"
+                  else BlockRemoved(block_hashes=[b * sub + j for b in blocks for j in range(sub)])
+                  for kind, blocks in log]
+        log.clear()
         for t in self.threads:
             t.dispatcher.on_kv_events(replica_id, events)
 

@@ -190,6 +190,9 @@ class Simulation:
                 out += dispatcher.on_replica_message(
                     rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - seq.sent),
                                     finished=True, finish_reason="length"), now)
+        if replica.kv_log:  # precise prefix routing: the engine's KV events, published as they happen
+            hasher = self._hasher
+            self.router.kv_events(rid, replica.kv_log, max(1, replica.block // hasher.block_size), hasher.block_size)
         if replica.busy:
             self.later(replica.busy_until, self._wake, replica, replica.version)
         if out:
