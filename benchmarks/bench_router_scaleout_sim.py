@@ -1,0 +1,123 @@
+"""Several routers in the simulator: the same workload through 1, 2 and 4 routers, each a real Dispatcher
+behind one thread that spends the measured router CPU per request (sim/routers.py).
+
+    python benchmarks/bench_router_scaleout_sim.py [--site exa256-a100] [--duration 30] [--routers 1 2 4]
+        [--cost-us 72] [--pick round_robin|sticky] [--prefix-mode approximate|precise] [--json OUT]
+
+Where two cores cannot run several router threads side by side, this shows what sharing the fleet does at
+the seed's scale. Default: exa256-a100 (256 nodes, 3,072 replicas held at the plan, as bench_simulator's
+exa256 part) with exa256-mix compressed so its diurnal peak (~21,800 requests/s) falls in the middle of
+--duration, no faults; 72 us a request (benchmarks/bench_router_throughput.py, prefix affinity, compiled
+index, 3,072 replicas, 2026-12-01): one thread routes at most ~13,900 requests/s, so one router saturates
+at the peak (1.57 CPU-seconds a second) and two or four do not. --site small16-a100 runs the same shape in
+seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost with it (--cost-us
+default there 7,850 us: the same 1.57 CPU-seconds a second at the peak), which is what the tests do.
+
+First a reference: one router at no CPU cost (the fleet and the policy alone; --no-reference skips it).
+Printed per router count: the requests/s the routers can sustain together (count / cost) and the most they
+routed in a sample interval, per router load (CPU-seconds asked per second over the arrivals), utilisation,
+queue peak and share, TTFT mean / p99 (the router's queue is part of it), the prefix-cache hit rate
+against the reference's (approximate mode: each router knows only its own choices; a saturated router
+also changes the hit rate, by holding requests back), lost requests (target 0).
+Targets: 0 lost for every count; with 2 and 4 routers each router's load below 1 and TTFT p99 within the
+workload's SLO where one router's is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from exaserve_hpc.config import load_site, parse_site  # noqa: E402
+from exaserve_hpc.sim.routers import PICKS, ROUTER_COST_S  # noqa: E402
+from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
+from exaserve_hpc.sim.workload import Workload, load_workload, parse_workload  # noqa: E402
+
+PEAK_LOAD = 1.57  # exa256-mix's peak x 72 us: CPU-seconds a second one router is asked for at the peak
+
+
+def workload(site_name: str, duration: float, qps: float) -> Workload:
+    if site_name.startswith("exa256"):
+        wl = load_workload("exa256-mix")
+        for s in wl.streams:
+            s.period = duration  # trough at both ends, the peak in the middle
+            s.bursts = []
+        wl.faults = []
+        return wl
+    return parse_workload({"name": f"steady-{qps:g}", "duration": duration, "slo": {"ttft_p99": "2s", "e2e_p99": "30s"},
+                           "streams": [{"model": "llama-3.1-8b-instruct", "qps": qps,
+                                        "diurnal": {"period": duration, "trough": 0.3},
+                                        "input_tokens": {"mean": 400, "sigma": 0.7, "max": 6000},
+                                        "output_tokens": {"mean": 80, "sigma": 0.6, "max": 1024},
+                                        "prefix_groups": {"count": 200, "system_tokens": 256, "zipf": 1.05}}]})
+
+
+def run(site, wl: Workload, duration: float, routers: int, cost: float, pick: str) -> dict:
+    sim = Simulation(site, wl, duration=duration, static=True, routers=routers, router_cost=cost, router_pick=pick)
+    t, cpu = time.perf_counter(), time.process_time()
+    s = sim.run()
+    s.update(wall_s=round(time.perf_counter() - t, 1), cpu_s=round(time.process_time() - cpu, 1))
+    return s
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--site", default="exa256-a100")
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
+    p.add_argument("--routers", type=int, nargs="*", default=[1, 2, 4], help="router counts to run (none: the reference only)")
+    p.add_argument("--cost-us", type=float, help=f"router CPU per request (default {ROUTER_COST_S * 1e6:g} us on "
+                                                 "exa256; scaled to the peak elsewhere)")
+    p.add_argument("--qps", type=float, default=200.0, help="peak requests/s on a site other than exa256")
+    p.add_argument("--pick", choices=PICKS, default="round_robin")
+    p.add_argument("--prefix-mode", choices=["approximate", "precise"], default="approximate")
+    p.add_argument("--no-reference", action="store_true", help="skip the one-router, no-cost reference run")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args()
+    data = load_site(ROOT / "site-configs" / f"{args.site}.yaml").model_dump(mode="json", exclude_none=True)
+    data["router"]["prefix_mode"] = args.prefix_mode
+    site = parse_site(data)
+    wl = workload(args.site, args.duration, args.qps)
+    cost = args.cost_us * 1e-6 if args.cost_us is not None else (
+        ROUTER_COST_S if args.site.startswith("exa256") else PEAK_LOAD / args.qps)
+    print(f"{args.site}, {wl.name} over {args.duration:g} s (peak in the middle), {1e6 * cost:g} us of router CPU "
+          f"a request, gateways {args.pick}, prefix mode {args.prefix_mode}; SLO TTFT p99 {wl.slo_ttft_p99:g} s")
+    results, ok = {}, True
+    if not args.no_reference:
+        ref = results["reference"] = run(site, wl, args.duration, 1, 0.0, args.pick)
+        print(f"\nreference, 1 router at no CPU cost: {ref['lost']} lost; TTFT mean {ref['ttft_mean_s']:.3f} s, "
+              f"p50 {ref['ttft_p50_s']:.3f} s, p99 {ref['ttft_p99_s']:.3f} s; prefix hit rate {ref['prefix_hit_rate']:.1%}")
+        ok &= ref["lost"] == 0
+    for n in args.routers:
+        s = run(site, wl, args.duration, n, cost, args.pick)
+        r = s["routers"]
+        results[n] = s
+        base = results.get("reference") or results[args.routers[0]]
+        print(f"\n{n} router(s): {s['accepted']} accepted, {s['completed']} completed, {s['lost']} lost, "
+              f"{s['failed']} failed; peak arrivals {s['peak_qps']:,.0f}/s; {s['wall_s']} s wall, {s['cpu_s']} s CPU")
+        print(f"  routers can sustain {r['capacity_per_s']:,.0f} requests/s together; routed at most "
+              f"{sum(x['routed_per_s_peak'] for x in r['per_router']):,.0f}/s (sum of each router's busiest interval)")
+        for x in r["per_router"]:
+            print(f"  router {x['router']}: share {x['share']:.1%}, load {x['load']:.2f} CPU-s/s, utilisation "
+                  f"{x['utilisation']:.1%} (busiest interval {x['utilisation_peak']:.1%}), queue peak {x['queue_peak']}, "
+                  f"wait mean {1000 * x['wait_mean_s']:.1f} ms, max {x['wait_max_s']:.2f} s")
+        print(f"  TTFT mean {s['ttft_mean_s']:.3f} s, p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; "
+              f"e2e p99 {s['e2e_p99_s']:.2f} s; prefix hit rate {s['prefix_hit_rate']:.1%} "
+              f"({100 * (s['prefix_hit_rate'] - base['prefix_hit_rate']):+.1f} points against "
+              f"{'the reference' if 'reference' in results else f'{args.routers[0]} router(s)'})")
+        ok &= s["lost"] == 0
+        if n > 1:
+            ok &= all(x["load"] < 1 for x in r["per_router"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(n): s for n, s in results.items()}, indent=1, default=str))
+    print("\nall targets met" if ok else "\nSOME TARGETS MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
