@@ -9,7 +9,8 @@ The workload is the served one at the seed's scale:
   forwarding path);
 - varied prompts: next turns of conversations (one of 64 shared 512-token
   system prompts + a 512-token conversation start + 128 new tokens), each
-  carrying the block hashes the gateway computes (as router/gateway.py does);
+  carrying the block hashes the gateway computes (as router/gateway.py does),
+  packed as the gateway's router client sends them (protocol.pack_request);
 - a warm index: before the clock starts, the router routes and records one
   turn of each of ``--conversations`` conversations (20,000), so most
   requests find a deep cached match among 3,072 replicas;
@@ -52,7 +53,7 @@ from array import array
 import msgspec
 import zmq
 
-from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, encode
+from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, encode, pack_request
 from exaserve_hpc.router.affinity import AffinitySettings
 
 BLOCK = 16
@@ -126,8 +127,8 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
     turns = next_turns(args.seed, args.distinct, conversations(args.seed, args.conversations))
     hashed = [hasher(t) for t in turns]
     # Pre-encoded with distinct ids: an id comes back around only after `distinct` sends (>> window).
-    bodies = [encode(GenerateRequest(request_id=f"q{i}", model="echo", prompt_token_ids=t, max_tokens=4,
-                                     prefix_hashes=h, prefix_scheme=hasher.scheme))
+    bodies = [encode(pack_request(GenerateRequest(request_id=f"q{i}", model="echo", prompt_token_ids=t, max_tokens=4,
+                                                  prefix_hashes=h, prefix_scheme=hasher.scheme)))
               for i, (t, h) in enumerate(zip(turns, hashed))]
     ctx = zmq.Context()
     socks = []

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from ..protocol import Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, decode, encode
+from ..protocol import Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, decode, encode, pack_request
 from .backend import BackendError, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class RouterClient:
         self._queues[request.request_id] = queue
         finished = False
         try:
-            await self._socket.send(encode(request))
+            await self._socket.send(encode(pack_request(request)))  # prompt and hashes as two bins
             while True:
                 try:
                     # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that meets a reply

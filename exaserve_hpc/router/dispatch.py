@@ -29,6 +29,7 @@ from typing import Optional
 
 from ..protocol import (
     Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
+    unpack_hashes, unpack_request,
 )
 from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
 from .breaker import BreakerState, CircuitBreaker
@@ -70,6 +71,8 @@ class Dispatcher:
         if request.request_id in self.inflight:
             return [self._error_to(gateway, request.request_id, 409, "duplicate_request",
                                    f"request id {request.request_id!r} is already in flight")]
+        if request.__class__ is GenerateRequest and (request.prompt_packed or request.hashes_packed):
+            unpack_request(request)  # handed over in-process as a gateway packs it: lists from here on
         deadline = now + (request.timeout or self.settings.request_timeout)
         prompt = request.prompt_token_ids  # a RoutedRequest's is made on each access: once here
         entry = Inflight(request=request, gateway=gateway, accepted_at=now, deadline=deadline,
@@ -288,8 +291,10 @@ class Dispatcher:
     def _dispatch(self, entry: Inflight, now: float) -> list[Outgoing]:
         request = entry.request
         if entry.key is None and self._uses_prefix:
-            entry.key = self.policy.routing_key(entry.prompt, request.prefix_hashes,
-                                                request.prefix_scheme)
+            hashes, scheme = request.prefix_hashes, request.prefix_scheme
+            if request.hashes_packed:  # as gateways send them (protocol.pack_request)
+                hashes, scheme = unpack_hashes(request.hashes_packed, scheme)
+            entry.key = self.policy.routing_key(entry.prompt, hashes, scheme)
         candidates = self._candidates(entry)
         # A first attempt has tried nothing: the set itself, whose `in` costs no Python call.
         exclude = _Excluded(entry.tried, self.unavailable) if entry.tried else self.unavailable

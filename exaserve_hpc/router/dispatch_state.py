@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import msgspec
 
-from ..protocol import GenerateRequest, Message
+from ..protocol import GenerateRequest, Message, unpack_ints
 from .balancing import ReplicaLoad, RoutingKey
 from .breaker import BreakerSettings, CircuitBreaker
 
@@ -25,7 +25,8 @@ class Outgoing:
 
 
 class PromptTokens:
-    """A prompt's token ids left as the gateway encoded them (a MessagePack array), decoded on demand.
+    """A prompt's token ids left as the gateway encoded them, decoded on demand: packed
+    (`protocol.pack_request`, what gateways send: 4 bytes a token) or a MessagePack array.
 
     The router's thread needs only the prompt's length on its hot path (the gateway sends the
     block hashes); decoding 1,000 token ids into Python ints and encoding them again for the
@@ -33,16 +34,21 @@ class PromptTokens:
     Slicing, iterating or adding decodes (hashing in the router, canary stickiness, a retry).
     """
 
-    __slots__ = ("raw", "count", "_ids")
+    __slots__ = ("raw", "packed", "count", "_ids")
 
-    def __init__(self, raw: msgspec.Raw):
-        self.raw = raw
-        self.count = array_length(raw)
+    def __init__(self, raw: msgspec.Raw, packed: bytes = b""):
+        self.raw, self.packed = raw, packed
+        if packed:
+            if len(packed) & 3:
+                raise msgspec.ValidationError(f"prompt_packed has {len(packed)} bytes, not 4 a token id")
+            self.count = len(packed) >> 2
+        else:
+            self.count = array_length(raw)
         self._ids: Optional[list[int]] = None
 
     def ids(self) -> list[int]:
         if self._ids is None:
-            self._ids = _token_ids.decode(self.raw)
+            self._ids = unpack_ints(self.packed, "I") if self.packed else _token_ids.decode(self.raw)
         return self._ids
 
     def __len__(self) -> int:
@@ -101,10 +107,12 @@ class RoutedRequest(msgspec.Struct, tag_field="t", tag="gen", omit_defaults=True
     session_id: str = ""
     prefix_hashes: list[int] = []
     prefix_scheme: str = ""
+    prompt_packed: bytes = b""
+    hashes_packed: bytes = b""
 
     @property
     def prompt_token_ids(self) -> PromptTokens:
-        return PromptTokens(self.prompt)
+        return PromptTokens(self.prompt, self.prompt_packed)
 
 
 @dataclass

@@ -86,3 +86,72 @@ def test_through_the_real_router_the_replica_receives_the_request_byte_for_byte(
     finally:
         router.stop()
         ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------ packed prompts (what gateways send)
+
+from exaserve_hpc.protocol import pack_request, unpack_hashes  # noqa: E402
+from exaserve_hpc.router.affinity import AffinitySettings  # noqa: E402
+from exaserve_hpc.router.policies import make_policy  # noqa: E402
+
+
+@pytest.mark.parametrize("hashes", [[1, -2, 3], [2 ** 63 + 5, 7], []])
+def test_a_packed_request_decodes_to_the_same_lists(hashes):
+    request = GenerateRequest(request_id="p", model="m", prompt_token_ids=PROMPT, max_tokens=3,
+                              prefix_hashes=hashes, prefix_scheme="s" if hashes else "")
+    packed = pack_request(request)
+    assert packed.prompt_token_ids == [] and packed.prompt_packed and request.prompt_token_ids == PROMPT
+    assert bool(packed.hashes_packed) == bool(hashes) and packed.prefix_hashes == []
+    assert decode(encode(packed)) == request
+
+
+def test_token_ids_beyond_uint32_stay_a_list():
+    request = GenerateRequest(request_id="p", model="m", prompt_token_ids=[1, 2 ** 32], max_tokens=3)
+    assert pack_request(request) is request
+    assert decode(encode(pack_request(request))) == request
+
+
+def test_the_router_reads_a_packed_prompts_length_and_hashes_and_forwards_it_unchanged():
+    settings = AffinitySettings(block_size=16)
+    hasher = settings.hasher()
+    d = Dispatcher(make_policy("prefix_affinity", settings=settings), DispatchSettings(), {"m"})
+    for rid in ("r1", "r2", "r3"):
+        d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=1, max_batch_size=4,
+                                               max_seq_len=4096), 0.0)
+    sent = []
+    # Not the router's own hashes of PROMPT: seeing these in the key shows it read the packed ones.
+    theirs = [h ^ 0x5A5A for h in hasher(PROMPT)]
+    for i in range(2):
+        frame = encode(pack_request(GenerateRequest(
+            request_id=f"q{i}", model="m", prompt_token_ids=PROMPT, max_tokens=5,
+            prefix_hashes=theirs, prefix_scheme=hasher.scheme)))
+        view = memoryview(frame)
+        routed = _frontend_decoder.decode(view)
+        assert len(routed.prompt_token_ids) == len(PROMPT) and list(routed.prompt_token_ids) == PROMPT
+        [out] = d.on_request(b"gw", routed, 0.0, view)
+        assert bytes(out.message) == frame  # the replica unpacks it (protocol.decode)
+        assert d.inflight[f"q{i}"].key.block_hashes == theirs
+        sent.append(out.peer)
+        chunks = d.on_replica_message(out.peer.decode(), TokenChunk(request_id=f"q{i}", token_ids=[9],
+                                                                     finished=i == 0), 0.1)
+        assert chunks[0].message.prompt_tokens == len(PROMPT)
+    assert sent[0] == sent[1]  # the second found the first's blocks: the hashes were read, not lost
+    retried = [o for o in d.replica_lost(sent[0].decode(), "test", 0.2) if o.side == REPLICA]
+    assert retried and all(o.message.prompt_token_ids[:len(PROMPT)] == PROMPT for o in retried)
+
+
+def test_malformed_packed_hashes_make_the_router_hash_itself():
+    assert unpack_hashes(b"\x00" * 8, "s:q") == ([0], "s")
+    assert unpack_hashes(b"\x00" * 7, "s:q") == ([], "")
+    assert unpack_hashes(b"\x00" * 8, "s") == ([], "")
+
+
+def test_a_packed_prompt_of_a_broken_length_is_refused_as_undecodable():
+    frame = encode(pack_request(GenerateRequest(request_id="p", model="m", prompt_token_ids=[1, 2], max_tokens=1)))
+    routed = _frontend_decoder.decode(frame)
+    broken = msgspec.structs.replace(routed, prompt_packed=routed.prompt_packed[:-1])
+    with pytest.raises(msgspec.ValidationError, match="not 4 a token id"):
+        broken.prompt_token_ids
+    with pytest.raises(msgspec.ValidationError, match="whole number"):
+        decode(encode(msgspec.structs.replace(pack_request(GenerateRequest(
+            request_id="p", model="m", prompt_token_ids=[1, 2], max_tokens=1)), prompt_packed=b"\x01\x02\x03")))
