@@ -105,11 +105,14 @@ def main() -> int:
         for x in r["per_router"]:
             print(f"  router {x['router']}: share {x['share']:.1%}, load {x['load']:.2f} CPU-s/s, utilisation "
                   f"{x['utilisation']:.1%} (busiest interval {x['utilisation_peak']:.1%}), queue peak {x['queue_peak']}, "
-                  f"wait mean {1000 * x['wait_mean_s']:.1f} ms, max {x['wait_max_s']:.2f} s")
+                  f"wait mean {1000 * x['wait_mean_s']:.1f} ms, max {x['wait_max_s']:.2f} s; prefix index "
+                  f"generations evicted {x['index_generations_evicted']}")
         print(f"  TTFT mean {s['ttft_mean_s']:.3f} s, p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; "
               f"e2e p99 {s['e2e_p99_s']:.2f} s; prefix hit rate {s['prefix_hit_rate']:.1%} "
               f"({100 * (s['prefix_hit_rate'] - base['prefix_hit_rate']):+.1f} points against "
               f"{'the reference' if 'reference' in results else f'{args.routers[0]} router(s)'})")
+        print("  TTFT p50 / p99 per model: " + ", ".join(f"{m} {v['ttft_p50_s']:.2f} / {v['ttft_p99_s']:.2f} s"
+                                                       for m, v in s["by_model"].items()))
         ok &= s["lost"] == 0
         if n > 1:
             ok &= all(x["load"] < 1 for x in r["per_router"])

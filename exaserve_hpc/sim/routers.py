@@ -200,6 +200,9 @@ class SimRouters:
                 "load": round(t.busy_s / span, 4), "utilisation": round(t.busy_until(end) / span, 4),
                 "utilisation_peak": round(t.util_peak, 4),
                 "queue_peak": t.held_peak, "wait_mean_s": t.wait_s / max(1, t.routed), "wait_max_s": t.wait_max,
-                "routed_per_s_peak": round(t.rate_peak, 1)} for t in self.threads]
+                "routed_per_s_peak": round(t.rate_peak, 1),
+                # prefix index generations dropped (router.index_blocks // 2 hashes each): how often it forgot
+                "index_generations_evicted": getattr(getattr(t.dispatcher.policy, "index", None),
+                                                     "evicted_generations", 0)} for t in self.threads]
         return {"count": len(self.threads), "cost_per_request_s": cost, "pick": self.pick_rule,
                 "capacity_per_s": round(len(self.threads) / cost, 1) if cost > 0 else None, "per_router": per}

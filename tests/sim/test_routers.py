@@ -3,10 +3,13 @@ behind one thread with a CPU cost per request."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from exaserve_hpc import cli
 from exaserve_hpc.config import load_site, parse_site, resolve_site
-from exaserve_hpc.sim.routers import SimRouters, RouterThread
+from exaserve_hpc.sim.routers import RouterThread, SimRouters
 from exaserve_hpc.sim.simulation import Simulation
 from exaserve_hpc.sim.workload import parse_workload
 
@@ -106,3 +109,16 @@ def test_router_thread_is_a_fifo_server_and_settings_are_checked():
         SimRouters(site(), {MODEL}, lambda: 0.0, count=-1)
     with pytest.raises(ValueError, match="round_robin, sticky"):
         SimRouters(site(), {MODEL}, lambda: 0.0, count=2, pick="dns")
+
+
+def test_cli_simulate_routers_options(tmp_path):
+    """`exaserve simulate --routers N --router-cost-us C --router-pick P`: the report names each router; a
+    count outside router.count's range is refused with exit 2."""
+    out = tmp_path / "report"
+    assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--duration", "20", "--routers", "2",
+                     "--router-cost-us", "500", "--router-pick", "sticky", "--out", str(out)]) == 0
+    r = json.loads((out / "report.json").read_text())["summary"]["routers"]
+    assert r["count"] == 2 and r["cost_per_request_s"] == pytest.approx(500e-6) and r["pick"] == "sticky"
+    assert sum(p["routed"] for p in r["per_router"]) > 100 and all(p["routed"] > 0 for p in r["per_router"])
+    assert "## Routers: 2, 500 us of CPU a request, gateways sticky" in (out / "report.md").read_text()
+    assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--routers", "0"]) == 2
