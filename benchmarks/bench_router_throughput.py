@@ -37,6 +37,11 @@ ratio and the CPU per request, not the absolute rate.
 ``--routers N`` (N > 1) runs N router processes instead of one, each with the
 whole fleet registered, the client spreading requests over them (as gateways
 do); the figure is their aggregate requests/s and their summed CPU per request.
+On two cores N routers cannot add throughput (their echo processes and the
+client share the same cores), so compare N at one offered load instead:
+``--rate R`` sends R requests/s in all (open loop, the same for every N) and
+charges the routers' CPU beyond their idle ticks to the requests; CPU per
+request unchanged with N is what lets N routers on N cores scale out.
 """
 
 from __future__ import annotations
@@ -160,14 +165,40 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
                     send()
         return answered
 
-    for _ in range(args.window):
-        send()
-    pump(time.perf_counter() + 1.0)  # warm-up, not counted
+    def paced(until: float) -> int:
+        """Open loop: `args.rate` requests/s in all, at most `window` outstanding."""
+        answered, start, base = 0, time.perf_counter(), sent
+        while (now := time.perf_counter()) < until:
+            due = base + int(args.rate * (now - start))
+            while sent < due and sent - base - answered < args.window:
+                send()
+            for sock, _ in poller.poll(1):
+                while True:
+                    try:
+                        sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    answered += 1
+        return answered
+
+    # The hubs' CPU while nothing is sent (ticks, status snapshots): subtracted in --rate runs, where
+    # it would otherwise be charged to the requests N times over with N routers.
+    cpu_idle = sum(cpu_seconds(p) for p in hub_pids)
+    time.sleep(1.0)
+    idle_per_s = sum(cpu_seconds(p) for p in hub_pids) - cpu_idle
+    if args.rate:
+        paced(time.perf_counter() + 1.0)  # warm-up, not counted
+    else:
+        for _ in range(args.window):
+            send()
+        pump(time.perf_counter() + 1.0)  # warm-up, not counted
     cpu0 = sum(cpu_seconds(p) for p in hub_pids)
     started = time.perf_counter()
-    counted = pump(started + args.seconds)
+    counted = (paced if args.rate else pump)(started + args.seconds)
     elapsed = time.perf_counter() - started
     cpu = sum(cpu_seconds(p) for p in hub_pids) - cpu0
+    if args.rate:
+        cpu -= idle_per_s * elapsed
     result.put((counted / elapsed, 1e6 * cpu / counted if counted else 0.0))
 
 
@@ -271,10 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="proxy/router phase pairs, alternating")
     parser.add_argument("--routers", type=int, default=1, help="router processes sharing the fleet")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="open loop: send this many requests/s in all (0: closed loop, --window in flight); "
+                             "CPU per request then leaves out the hubs' idle CPU, measured for 1 s before")
     parser.add_argument("--pure-python", action="store_true",
                         help="prefix_affinity with the pure-Python index and route (as where the extension is not built)")
+    parser.add_argument("--per-router", action="store_true",
+                        help="with --rate and --compare-routers: --rate is each router's share (N routers get N x rate), "
+                             "so every router works at the same load whatever N")
+    parser.add_argument("--compare-routers", type=int, nargs="+", metavar="N",
+                        help="instead of the proxy comparison: each round runs these router counts in turn "
+                             "(e.g. 1 2 4, best with --rate) and reports each against the first")
     args = parser.parse_args(argv)
     policy = f"{args.policy}, pure Python" if args.pure_python else args.policy
+    if args.compare_routers:
+        return compare_routers(args, policy)
     label = f"{args.routers} x ZmqRouter ({policy})" if args.routers > 1 else f"ZmqRouter ({policy})"
     ratios, cpu_ratios, proxy_cpus, router_cpus, rates = [], [], [], [], []
     for i in range(args.rounds):
@@ -296,6 +338,33 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= 70%: {'met' if median >= 0.7 else 'NOT met'})")
     print(f"CPU per request vs the proxy: {spread(cpu_ratios, '.1f')} x  "
           f"(target <= 3x: {'met' if cpu_median <= 3 else 'NOT met'})")
+    return 0
+
+
+def compare_routers(args, policy: str) -> int:
+    counts = args.compare_routers
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    cpus: dict[int, list[float]] = {n: [] for n in counts}
+    each = args.rate
+    for i in range(args.rounds):
+        line = []
+        for n in counts:
+            args.routers = n
+            args.rate = each * n if args.per_router else each
+            rate, cpu = phase("router", args)
+            rates[n].append(rate)
+            cpus[n].append(cpu)
+            line.append(f"{n} router(s) {rate:7.0f} req/s, {cpu:5.1f} us CPU each")
+        print(f"round {i + 1}: " + "   ".join(line), flush=True)
+    load = (f"open loop at {each:.0f} req/s" + (" per router" if args.per_router else " in all")) if each \
+        else f"closed loop, {args.window} in flight"
+    print(f"{args.replicas} replicas, ZmqRouter ({policy}), {load}, {args.rounds} rounds")
+    first = counts[0]
+    for n in counts:
+        rate_x = [r / r0 for r, r0 in zip(rates[n], rates[first])]
+        cpu_x = [c / c0 for c, c0 in zip(cpus[n], cpus[first])]
+        print(f"{n} router(s): {spread(rates[n], '.0f')} req/s ({spread(rate_x, '.2f')}x {first}'s); "
+              f"CPU per request {spread(cpus[n], '.1f')} us ({spread(cpu_x, '.2f')}x {first}'s)")
     return 0
 
 
