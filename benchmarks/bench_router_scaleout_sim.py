@@ -76,17 +76,22 @@ def main() -> int:
     p.add_argument("--qps", type=float, default=200.0, help="peak requests/s on a site other than exa256")
     p.add_argument("--pick", choices=PICKS, default="round_robin")
     p.add_argument("--prefix-mode", choices=["approximate", "precise"], default="approximate")
+    p.add_argument("--index-blocks", type=int, help="router.index_blocks (default: the site's): at exa256's rate "
+                                                     "one router's approximate index drops a generation every few s")
     p.add_argument("--no-reference", action="store_true", help="skip the one-router, no-cost reference run")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     data = load_site(ROOT / "site-configs" / f"{args.site}.yaml").model_dump(mode="json", exclude_none=True)
     data["router"]["prefix_mode"] = args.prefix_mode
+    if args.index_blocks:
+        data["router"]["index_blocks"] = args.index_blocks
     site = parse_site(data)
     wl = workload(args.site, args.duration, args.qps)
     cost = args.cost_us * 1e-6 if args.cost_us is not None else (
         ROUTER_COST_S if args.site.startswith("exa256") else PEAK_LOAD / args.qps)
     print(f"{args.site}, {wl.name} over {args.duration:g} s (peak in the middle), {1e6 * cost:g} us of router CPU "
-          f"a request, gateways {args.pick}, prefix mode {args.prefix_mode}; SLO TTFT p99 {wl.slo_ttft_p99:g} s")
+          f"a request, gateways {args.pick}, prefix mode {args.prefix_mode}, index {site.router.index_blocks:,} "
+          f"blocks; SLO TTFT p99 {wl.slo_ttft_p99:g} s")
     results, ok = {}, True
     if not args.no_reference:
         ref = results["reference"] = run(site, wl, args.duration, 1, 0.0, args.pick)
