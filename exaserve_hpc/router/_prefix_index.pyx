@@ -15,13 +15,18 @@ holders per block). Same rules, other storage:
 - replica ids are numbered once (slot), their epochs kept in a C array.
 
 Block hashes are 64-bit (signed, as Python's tuple hash gives them, or unsigned, as the
-engine's blake2b names are): another int raises OverflowError.
+engine's blake2b names are): another int raises OverflowError. They come as a list of ints or,
+from a packed request (protocol.unpack_hashes), as an array('q') or array('Q'), whose buffer is
+read as it is: no Python int is made for them.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memmove
+
+from array import array as _array
 
 from ..engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -48,6 +53,47 @@ cdef inline uint64_t hash_key(object h) except? 0:
     if overflow == 0:
         return <uint64_t>v
     return PyLong_AsUnsignedLongLong(h)  # above 2**63: an unsigned name; beyond 64 bits: OverflowError
+
+
+cdef struct Keys:
+    uint64_t* keys  # the block hashes as table keys
+    Py_ssize_t n
+    uint64_t* owned  # malloc'd here (from a list), freed by keys_close
+    Py_buffer view  # an array's own buffer, released by keys_close
+    bint has_view
+
+
+cdef int keys_open(object hashes, Keys* k) except -1:
+    """The hashes as C keys: an array('q'/'Q')'s buffer as it is, else each int converted once."""
+    cdef Py_ssize_t i, n
+    k.owned, k.has_view = NULL, False
+    if type(hashes) is _array and (hashes.typecode == "q" or hashes.typecode == "Q"):
+        PyObject_GetBuffer(hashes, &k.view, PyBUF_SIMPLE)
+        k.has_view = True
+        k.keys, k.n = <uint64_t*>k.view.buf, k.view.len // 8
+        return 0
+    hs = hashes if type(hashes) is list else list(hashes)
+    n = len(hs)
+    k.owned = <uint64_t*>malloc((n if n else 1) * sizeof(uint64_t))
+    if k.owned == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            k.owned[i] = hash_key(hs[i])
+    except BaseException:
+        free(k.owned)
+        k.owned = NULL
+        raise
+    k.keys, k.n = k.owned, n
+    return 0
+
+
+cdef void keys_close(Keys* k) noexcept:
+    if k.has_view:
+        PyBuffer_Release(&k.view)
+        k.has_view = False
+    free(k.owned)
+    k.owned = NULL
 
 
 cdef inline int find_holder(Entry* e, uint32_t slot) noexcept nogil:
@@ -237,31 +283,35 @@ cdef class PrefixIndex:
 
     def record(self, str replica_id, hashes, Py_ssize_t held=0):
         """As `prefix_index.PrefixIndex.record`."""
-        cdef list hs = hashes if type(hashes) is list else list(hashes)
+        cdef Keys k
         cdef Py_ssize_t start = 0, hi, mid
         cdef Py_ssize_t slot = self._slot(replica_id, False)
         cdef uint64_t v
         cdef Entry* e
-        if held and slot >= 0:
-            v = (<uint64_t>slot << 32) | self.epochs[slot]
-            hi = held if held <= len(hs) else len(hs)
-            while start < hi:
-                mid = (start + hi + 1) >> 1
-                e = self._find(hash_key(hs[mid - 1]))
-                if e != NULL and e.gen == self.gen and self._holds(e, <uint32_t>slot, v):
-                    start = mid
-                else:
-                    hi = mid - 1
-        self._add(replica_id, hs, start)
+        keys_open(hashes, &k)
+        try:
+            if held and slot >= 0:
+                v = (<uint64_t>slot << 32) | self.epochs[slot]
+                hi = held if held <= k.n else k.n
+                while start < hi:
+                    mid = (start + hi + 1) >> 1
+                    e = self._find(k.keys[mid - 1])
+                    if e != NULL and e.gen == self.gen and self._holds(e, <uint32_t>slot, v):
+                        start = mid
+                    else:
+                        hi = mid - 1
+            self._add(replica_id, k.keys, k.n, start)
+        finally:
+            keys_close(&k)
 
-    cdef int _add(self, str replica_id, list hs, Py_ssize_t start) except -1:
+    cdef int _add(self, str replica_id, uint64_t* hs, Py_ssize_t n, Py_ssize_t start) except -1:
         cdef Py_ssize_t slot = self._slot(replica_id, True), j, cap = self.max_holders
         cdef uint64_t v = (<uint64_t>slot << 32) | self.epochs[slot]
         cdef Entry* e
         cdef bint fresh
         cdef int i
-        for j in range(start, len(hs)):
-            e = self._claim(hash_key(hs[j]), &fresh)
+        for j in range(start, n):
+            e = self._claim(hs[j], &fresh)
             if fresh:
                 e.gen = self.gen
                 self.young_n += 1
@@ -286,12 +336,17 @@ cdef class PrefixIndex:
 
     def apply_events(self, str replica_id, events):
         """As `prefix_index.PrefixIndex.apply_events`."""
+        cdef Keys k
         cdef Py_ssize_t slot
         cdef Entry* e
         cdef int i
         for event in events:
             if isinstance(event, BlockStored):
-                self._add(replica_id, list(event.block_hashes), 0)
+                keys_open(event.block_hashes, &k)
+                try:
+                    self._add(replica_id, k.keys, k.n, 0)
+                finally:
+                    keys_close(&k)
             elif isinstance(event, BlockRemoved):
                 slot = self._slot(replica_id, False)
                 if slot < 0:
@@ -312,12 +367,12 @@ cdef class PrefixIndex:
 
     # ---------------------------------------------------------------- lookup
 
-    cdef Py_ssize_t _deepest(self, list hs) except -1:
-        cdef Py_ssize_t lo = 0, hi = len(hs), mid
+    cdef Py_ssize_t _deepest(self, uint64_t* hs, Py_ssize_t n) noexcept:
+        cdef Py_ssize_t lo = 0, hi = n, mid
         cdef Entry* e
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            e = self._find(hash_key(hs[mid - 1]))
+            e = self._find(hs[mid - 1])
             if e != NULL and e.n:
                 lo = mid
             else:
@@ -325,12 +380,24 @@ cdef class PrefixIndex:
         return lo
 
     def deepest(self, hashes):
-        return self._deepest(hashes if type(hashes) is list else list(hashes))
+        cdef Keys k
+        keys_open(hashes, &k)
+        try:
+            return self._deepest(k.keys, k.n)
+        finally:
+            keys_close(&k)
 
     def match(self, hashes, allowed=None, exclude=(), Py_ssize_t limit=4, Py_ssize_t scan=8):
         """As `prefix_index.PrefixIndex.match`."""
-        cdef list hs = hashes if type(hashes) is list else list(hashes)
-        cdef Py_ssize_t depth = self._deepest(hs), level, step = 1, halvings = 3, seen, nstale, k
+        cdef Keys keys
+        keys_open(hashes, &keys)
+        try:
+            return self._match(keys.keys, keys.n, allowed, exclude, limit, scan)
+        finally:
+            keys_close(&keys)
+
+    cdef list _match(self, uint64_t* hs, Py_ssize_t n, allowed, exclude, Py_ssize_t limit, Py_ssize_t scan):
+        cdef Py_ssize_t depth = self._deepest(hs, n), level, step = 1, halvings = 3, seen, nstale, k
         cdef Entry* e
         cdef uint64_t* holders
         cdef uint64_t h
@@ -344,7 +411,7 @@ cdef class PrefixIndex:
         ids = self._ids
         level = depth
         while level >= 1 and len(found) < limit:
-            e = self._find(hash_key(hs[level - 1]))
+            e = self._find(hs[level - 1])
             if e != NULL and e.n:
                 nstale = 0
                 seen = 0
@@ -388,21 +455,27 @@ cdef class PrefixIndex:
     def held(self, str replica_id, hashes, Py_ssize_t deepest):
         """As `prefix_index.PrefixIndex.held`."""
         cdef Py_ssize_t slot = self._slot(replica_id, False)
-        cdef list hs
+        cdef Keys k
+        cdef Entry* e
         if slot < 0 or deepest < 1:
             return 0
-        hs = hashes if type(hashes) is list else list(hashes)
-        cdef Entry* e = self._find(hash_key(hs[0]))
-        if e == NULL or not self._holds(e, <uint32_t>slot, (<uint64_t>slot << 32) | self.epochs[slot]):
-            return 0
-        return self._depth_of(<uint32_t>slot, hs, 1, deepest)
+        keys_open(hashes, &k)
+        try:
+            if k.n == 0:
+                raise IndexError("held() of an empty list of hashes")
+            e = self._find(k.keys[0])
+            if e == NULL or not self._holds(e, <uint32_t>slot, (<uint64_t>slot << 32) | self.epochs[slot]):
+                return 0
+            return self._depth_of(<uint32_t>slot, k.keys, 1, deepest if deepest <= k.n else k.n)
+        finally:
+            keys_close(&k)
 
-    cdef Py_ssize_t _depth_of(self, uint32_t slot, list hs, Py_ssize_t lo, Py_ssize_t hi) except -1:
+    cdef Py_ssize_t _depth_of(self, uint32_t slot, uint64_t* hs, Py_ssize_t lo, Py_ssize_t hi) noexcept:
         cdef uint64_t v = (<uint64_t>slot << 32) | self.epochs[slot]
         cdef Py_ssize_t mid
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._holds(self._find(hash_key(hs[mid - 1])), slot, v):
+            if self._holds(self._find(hs[mid - 1]), slot, v):
                 lo = mid
             else:
                 hi = mid - 1

@@ -49,7 +49,7 @@ class ReplicaLoad:
 class RoutingKey:
     """What a prefix-aware policy knows of a request's prompt."""
 
-    block_hashes: list[int]  # chained hashes of the prompt's full blocks, in order
+    block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks, in order (a list, or an array from a packed request)
     prompt_tokens: int
     block_size: int
 

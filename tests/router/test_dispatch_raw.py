@@ -130,7 +130,7 @@ def test_the_router_reads_a_packed_prompts_length_and_hashes_and_forwards_it_unc
         assert len(routed.prompt_token_ids) == len(PROMPT) and list(routed.prompt_token_ids) == PROMPT
         [out] = d.on_request(b"gw", routed, 0.0, view)
         assert bytes(out.message) == frame  # the replica unpacks it (protocol.decode)
-        assert d.inflight[f"q{i}"].key.block_hashes == theirs
+        assert list(d.inflight[f"q{i}"].key.block_hashes) == theirs
         sent.append(out.peer)
         chunks = d.on_replica_message(out.peer.decode(), TokenChunk(request_id=f"q{i}", token_ids=[9],
                                                                      finished=i == 0), 0.1)
@@ -141,7 +141,8 @@ def test_the_router_reads_a_packed_prompts_length_and_hashes_and_forwards_it_unc
 
 
 def test_malformed_packed_hashes_make_the_router_hash_itself():
-    assert unpack_hashes(b"\x00" * 8, "s:q") == ([0], "s")
+    hashes, scheme = unpack_hashes(b"\x00" * 8, "s:q")
+    assert (list(hashes), scheme) == ([0], "s")
     assert unpack_hashes(b"\x00" * 7, "s:q") == ([], "")
     assert unpack_hashes(b"\x00" * 8, "s") == ([], "")
 
