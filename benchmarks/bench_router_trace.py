@@ -20,15 +20,18 @@ tokens, and so the engine's own chained block hashes) and the engine and the
 router both use 512-token blocks. Requests longer than ``--max-seq`` (prompt
 + output) or than a replica's KV pool are skipped and counted.
 
-Load: the fleet's capacity is measured first (the first
-``--calibration-requests`` of the trace all arriving at once, routed by
-token-aware least-load: requests x replicas / GPU-busy seconds, the rate
-a perfectly balanced fleet of saturated replicas sustains); each load level then replays
-the trace with its arrival times scaled so that its arrival rate is that
-fraction of the capacity. Reported per policy: block hit rate, mean and p99
-TTFT, utilisation, preemptions, replica queues (requests waiting or in
-prefill: not yet at their first token) sampled at every stats report (the peak, the mean over time, and the peak against the fleet's mean
-queue at that moment), skipped requests. Also a lower bound no router can
+Load: the fleet's capacity is measured first, on the same requests: the
+highest arrival rate (the trace's times scaled) at which token-aware
+least-load keeps up, i.e. the fleet's backlog of requests before their first
+token does not grow while they arrive (`measure_capacity`: a bracket, then a
+bisection to 1%; every probe is printed). Each load level then replays the
+trace scaled to that fraction of the capacity. Reported per policy: block
+hit rate, mean and p99 TTFT, utilisation (GPU-busy time: a replica decoding
+a few sequences counts as busy), preemptions, replica queues (requests
+waiting or in prefill: not yet at their first token) sampled at every stats
+report while the trace arrives (the fleet's mean, the longest queue's mean,
+the peak with the fleet's mean at that moment, and "hot": the replica whose
+queue was longest on average against the fleet's average), skipped requests. Also a lower bound no router can
 beat (`ttft_bound`: every request alone on an idle replica that holds every
 block seen before).
 """
@@ -134,6 +137,8 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
         d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=0, max_batch_size=MAX_BATCH,
                                                max_seq_len=MAX_SEQ), 0.0)
     queues: list[tuple[float, int]] = []  # (fleet mean, max) at every stats report while requests wait
+    backlog: list[tuple[float, int]] = []  # (time, requests the fleet holds before their first token), every report
+    queued = dict.fromkeys(engines, 0)  # each replica's queue summed over the reports while the trace arrives
     arrivals = {f"q{i}": row.arrival / scale for i, row in enumerate(rows)}
     first: dict[str, float] = {}
     done = 0
@@ -167,8 +172,11 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
                 depths.append(s["queue_depth"] + sum(q.first_token_at is None for q in engine.scheduler.running))
                 d.on_replica_message(rid, ReplicaStats(replica_id=rid, queue_depth=s["queue_depth"],
                                                        running=s["running"], kv_used=s["kv_used"]), clock.now)
+            backlog.append((clock.now, sum(depths)))
             if i < len(rows):  # while the trace is still arriving (not the drain at its end)
                 queues.append((sum(depths) / len(depths), max(depths)))
+                for rid, depth in zip(engines, depths):
+                    queued[rid] += depth
             next_stats = clock.now + STATS_EVERY
         elif t_next == t_arrival:
             row = rows[i]
@@ -198,10 +206,13 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
         "queue_max": peak[1], "queue_mean_at_max": peak[0],
         "queue_mean": statistics.fmean(q[0] for q in queues) if queues else 0.0,
         "queue_max_mean": statistics.fmean(q[1] for q in queues) if queues else 0.0,
+        # a hot spot: the replica whose queue was longest on average, against the fleet's average
+        "queue_hot": max(queued.values()) / max(1e-9, statistics.fmean(queued.values())),
         "utilisation": busy / (replicas * makespan),
         "preemptions": sum(e.scheduler.preemptions for e in engines.values()),
         "makespan": makespan, "busy_seconds": busy,
         "routing": dict(d.reasons),
+        "last_arrival": rows[-1].arrival / scale, "last_first_token": max(first.values()), "backlog": backlog,
     }
 
 
@@ -239,20 +250,86 @@ def ttft_bound(rows: list[Row], gpu: str) -> dict:
             "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))]}
 
 
-def measure_capacity(rows: list[Row], replicas: int, gpu: str) -> float:
-    """The fleet's capacity in requests/s: ``rows`` all arriving at once (x1000), token-aware
-    least-load, every step as full as the budget allows; capacity = requests / (GPU-busy seconds /
-    replicas), the rate a perfectly balanced fleet sustains. (Requests / makespan would count the
-    drain of the last long requests on a few replicas; completions per second mid-run would count
-    short requests finishing while long ones' work is deferred.)"""
-    r = replay(rows, "least_tokens", replicas, 1000.0, gpu=gpu)
-    return len(rows) * replicas / r["busy_seconds"]
+def backlog_quarters(r: dict, first_arrival: float) -> tuple[float, float]:
+    """The fleet's mean backlog over the second and over the last quarter of the arrival window
+    (the first quarter is warm-up)."""
+    t0, t1 = first_arrival, r["last_arrival"]
+    span = t1 - t0
+
+    def mean(a: float, b: float) -> float:
+        qs = [q for t, q in r["backlog"] if t0 + a * span <= t < t0 + b * span]
+        return statistics.fmean(qs) if qs else 0.0
+    return mean(0.25, 0.5), mean(0.75, 1.0)
+
+
+def offered_rate(rows: list[Row]) -> float:
+    """The trace's own arrival rate, requests/s."""
+    return len(rows) / max(1e-9, rows[-1].arrival - rows[0].arrival)
+
+
+def measure_capacity(rows: list[Row], replicas: int, gpu: str, tolerance: float = 0.01,
+                     log=print) -> tuple[float, list[dict]]:
+    """The fleet's capacity in requests/s: the highest arrival rate at which it keeps up with this trace.
+
+    The trace is replayed under token-aware least-load (the best simple baseline) with its times
+    scaled; a rate is *sustained* when the backlog (requests waiting or in prefill, not yet at their
+    first token, summed over the fleet) does not grow while requests arrive: its mean over the last
+    quarter of the arrival window exceeds its mean over the second quarter by at most one request
+    per replica, or by at most that second-quarter mean (it has not doubled): a stable queue's
+    backlog fluctuates about its level, bursts included, while past capacity it grows by
+    (rate - capacity) x time without bound, so over the ~half window between those quarters this
+    detects an excess of a few % of capacity on a few thousand
+    requests. The first probe is a cheap guess (the rows all arriving at once: requests x replicas /
+    GPU-busy seconds); the rate then steps by x1.25 until one end is sustained and the other not,
+    and a bisection (geometric) narrows that bracket to ``tolerance``; the capacity is its sustained
+    end. (Probes stay near capacity: a replay far below it is slow, a decode step every few ms.)
+
+    That guess is not the capacity: all arriving at once, no conversation turn could reuse the KV of
+    its previous turn and every step was full, while at any real rate a replica decoding a handful
+    of sequences counts as busy as a full one; loads labelled against it were ~80% of this.
+    Returns the capacity and every probe (rate, sustained, backlog in those quarters, mean TTFT).
+    """
+    if not rows:
+        raise ValueError("no requests to measure the capacity on")
+    base, first = offered_rate(rows), rows[0].arrival
+    probes: list[dict] = []
+
+    def probe(rate: float) -> bool:
+        scale = rate / base
+        r = replay(rows, "least_tokens", replicas, scale, gpu=gpu)
+        early, late = backlog_quarters(r, first / scale)
+        p = {"rate": rate, "sustained": late - early <= max(replicas, early), "backlog": (early, late),
+             "ttft_mean": r["ttft_mean"], "queue_max": r["queue_max"]}
+        probes.append(p)
+        log(f"  {rate:6.2f} requests/s: backlog {early:5.1f} -> {late:5.1f} over the arrivals, "
+            f"{'sustained' if p['sustained'] else 'NOT sustained'} (least_tokens TTFT mean {r['ttft_mean']:.2f}s, "
+            f"longest replica queue {r['queue_max']})")
+        return p["sustained"]
+
+    guess = replay(rows, "least_tokens", replicas, 1000.0, gpu=gpu)
+    rate = len(rows) * replicas / guess["busy_seconds"]
+    if probe(rate):
+        lo = rate
+        while probe(lo * 1.25):
+            lo *= 1.25
+        hi = lo * 1.25
+    else:
+        hi = rate
+        while not probe(hi / 1.25):
+            hi /= 1.25
+        lo = hi / 1.25
+    while hi / lo > 1 + tolerance:
+        mid = (lo * hi) ** 0.5
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
 
 
 def time_scale(rows: list[Row], capacity: float, target: float) -> float:
     """Divide the trace's times by this to offer ``target`` x ``capacity`` requests/s."""
-    offered = len(rows) / max(1e-9, rows[-1].arrival - rows[0].arrival)
-    return target * capacity / offered
+    return target * capacity / offered_rate(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", type=float, nargs="+", default=[0.70, 0.85, 0.95])
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--max-seq", type=int, default=MAX_SEQ, help="longer requests (prompt + output) are skipped")
-    parser.add_argument("--calibration-requests", type=int, default=1500)
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="requests/s the loads are fractions of (default: measured, see measure_capacity)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_GB),
                         help="timing constants and KV pool size of each replica")
@@ -277,23 +355,32 @@ def main(argv: list[str] | None = None) -> int:
           f"hit rate {bound['block_hit_rate']:.1%}, TTFT mean {bound['ttft_mean']:.3f}s, "
           f"p90 {bound['ttft_p90']:.3f}s", flush=True)
     started = time.perf_counter()
-    capacity = measure_capacity(rows[:args.calibration_requests], args.replicas, args.gpu)
-    print(f"measured capacity: {capacity:.1f} requests/s ({time.perf_counter() - started:.0f}s)", flush=True)
+    if args.capacity:
+        capacity = args.capacity
+        print(f"capacity given: {capacity:.2f} requests/s", flush=True)
+    else:
+        print(f"capacity: the highest arrival rate (the trace time-scaled; its own is {offered_rate(rows):.2f} "
+              f"requests/s) at which least_tokens' backlog (requests before their first token, fleet-wide) "
+              f"grows from the 2nd to the 4th quarter of the arrivals by at most {args.replicas} (one a replica) or by at most its 2nd-quarter level; "
+              f"steps of x1.25 from a saturation guess, then bisection to 1%:", flush=True)
+        capacity, _ = measure_capacity(rows, args.replicas, args.gpu, log=lambda m: print(m, flush=True))
+        print(f"measured capacity: {capacity:.2f} requests/s ({time.perf_counter() - started:.0f}s)", flush=True)
     results = []
     for load in args.loads:
         scale = time_scale(rows, capacity, load)
         print(f"\nload {load:.0%} of capacity: {load * capacity:.1f} requests/s, time scale x{scale:.2f}", flush=True)
         print(f"{'policy':<16} {'hit rate':>8} {'TTFT mean':>10} {'p99':>8} {'/bound':>7} {'util':>6} "
-              f"{'preempt':>7} {'queue mean':>10} {'max(avg)':>8} {'peak@mean':>10}  routing")
+              f"{'preempt':>7} {'queue mean':>10} {'max(avg)':>8} {'peak@mean':>10} {'hot':>5}  routing")
         for name in args.policies:
             started = time.perf_counter()
             r = replay(rows, name, args.replicas, scale, gpu=args.gpu)
+            del r["backlog"]  # the series behind measure_capacity, not a result
             r.update(load=load, scale=scale, capacity=capacity, skipped=skipped, wall_s=time.perf_counter() - started,
                      bound_ttft_mean=bound["ttft_mean"], bound_hit_rate=bound["block_hit_rate"])
             results.append(r)
             print(f"{name:<16} {r['block_hit_rate']:>8.1%} {r['ttft_mean']:>9.3f}s {r['ttft_p99']:>7.2f}s "
                   f"{r['ttft_mean'] / bound['ttft_mean']:>6.2f}x {r['utilisation']:>6.1%} {r['preemptions']:>7} "
-                  f"{r['queue_mean']:>10.1f} {r['queue_max_mean']:>8.1f} {r['queue_max']:>4}@{r['queue_mean_at_max']:<5.1f}"
+                  f"{r['queue_mean']:>10.1f} {r['queue_max_mean']:>8.1f} {r['queue_max']:>4}@{r['queue_mean_at_max']:<5.1f} {r['queue_hot']:>4.1f}x"
                   f"  {r['routing'] or ''}  ({r['wall_s']:.0f}s)", flush=True)
         by = {r["policy"]: r for r in results if r["load"] == load}
         if {"least_tokens", "prefix_affinity"} <= by.keys():
