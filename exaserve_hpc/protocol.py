@@ -375,14 +375,18 @@ def pack_request(request: GenerateRequest) -> GenerateRequest:
     """The request as a gateway sends it: prompt and hashes packed (a copy; the original is unchanged).
 
     Token ids outside uint32, or hashes outside 64 bits, stay as lists: the receiver then validates
-    them as it always did. The hashes' sign travels in the scheme's typecode suffix (":q" or ":Q")."""
-    changes = {}
+    them as it always did. The hashes' sign travels in the scheme's typecode suffix (":q" or ":Q").
+    Hashes without a scheme are dropped (a router uses only hashes of a scheme it knows). A request
+    already packed is returned as it is."""
+    if request.prompt_packed or request.hashes_packed:
+        return request
+    changes: dict = {} if request.prefix_scheme or not request.prefix_hashes else {"prefix_hashes": []}
     try:
         changes["prompt_packed"] = pack_ints(request.prompt_token_ids, "I")
         changes["prompt_token_ids"] = []
     except (OverflowError, TypeError):
         pass
-    for typecode in ("q", "Q") if request.prefix_hashes else ():  # signed (tuple hash), else unsigned
+    for typecode in ("q", "Q") if request.prefix_hashes and request.prefix_scheme else ():  # signed, else unsigned
         try:
             changes["hashes_packed"] = pack_ints(request.prefix_hashes, typecode)
         except (OverflowError, TypeError):
@@ -394,13 +398,17 @@ def pack_request(request: GenerateRequest) -> GenerateRequest:
 
 
 def unpack_request(request: GenerateRequest) -> GenerateRequest:
-    """In place: the packed prompt and hashes back into prompt_token_ids and prefix_hashes."""
+    """In place: the packed prompt and hashes back into prompt_token_ids and prefix_hashes.
+
+    A prompt that does not unpack raises ValidationError (the request is unreadable). Hashes that
+    do not are dropped: only a router reads them, and it hashes the prompt itself without them
+    (as it did before forwarding this very request, so a replica must not refuse it for them)."""
     if request.prompt_packed:
         request.prompt_token_ids = unpack_ints(request.prompt_packed, "I")
         request.prompt_packed = b""
     if request.hashes_packed:
-        request.prefix_scheme, typecode = split_scheme(request.prefix_scheme)
-        request.prefix_hashes = unpack_ints(request.hashes_packed, typecode)
+        hashes, scheme = unpack_hashes(request.hashes_packed, request.prefix_scheme)
+        request.prefix_hashes, request.prefix_scheme = list(hashes), scheme
         request.hashes_packed = b""
     return request
 
@@ -433,7 +441,8 @@ def split_scheme(scheme: str) -> tuple[str, str]:
     """A packed request's prefix_scheme as (the hasher's scheme, the hashes' typecode)."""
     name, _, typecode = scheme.rpartition(":")
     if typecode not in ("q", "Q") or not name:
-        raise msgspec.ValidationError(f"prefix_scheme {scheme!r} of packed hashes does not end in ':q' or ':Q'")
+        raise msgspec.ValidationError(f"prefix_scheme {scheme!r} of packed hashes must be a hasher's scheme "
+                                      "followed by ':q' (signed hashes) or ':Q' (unsigned)")
     return name, typecode
 
 
@@ -451,7 +460,7 @@ def receive_pending(socket, limit: int, log) -> Iterator[Message]:
         except zmq.Again:
             return
         try:
-            yield _decoder.decode(frame)
+            yield decode(frame)
         except DecodeError as exc:
             log.warning("dropping an undecodable message: %s", exc)
 

@@ -27,6 +27,8 @@ import logging
 from collections import deque
 from typing import Optional
 
+import msgspec
+
 from ..protocol import (
     Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
     unpack_hashes, unpack_request,
@@ -74,7 +76,11 @@ class Dispatcher:
         if request.__class__ is GenerateRequest and (request.prompt_packed or request.hashes_packed):
             unpack_request(request)  # handed over in-process as a gateway packs it: lists from here on
         deadline = now + (request.timeout or self.settings.request_timeout)
-        prompt = request.prompt_token_ids  # a RoutedRequest's is made on each access: once here
+        try:
+            prompt = request.prompt_token_ids  # a RoutedRequest's is made on each access: once here
+        except msgspec.ValidationError as exc:  # its id decoded: answer it rather than leave it waiting
+            return [self._error_to(gateway, request.request_id, 400, "invalid_request",
+                                   f"request {request.request_id!r} has an unreadable prompt: {exc}")]
         entry = Inflight(request=request, gateway=gateway, accepted_at=now, deadline=deadline,
                          prompt=prompt, prompt_len=len(prompt), raw=raw)
         self.inflight[request.request_id] = entry

@@ -147,12 +147,35 @@ def test_malformed_packed_hashes_make_the_router_hash_itself():
     assert unpack_hashes(b"\x00" * 8, "s") == ([], "")
 
 
-def test_a_packed_prompt_of_a_broken_length_is_refused_as_undecodable():
+def test_a_packed_prompt_of_a_broken_length_is_answered_400_not_left_waiting():
     frame = encode(pack_request(GenerateRequest(request_id="p", model="m", prompt_token_ids=[1, 2], max_tokens=1)))
     routed = _frontend_decoder.decode(frame)
     broken = msgspec.structs.replace(routed, prompt_packed=routed.prompt_packed[:-1])
     with pytest.raises(msgspec.ValidationError, match="not 4 a token id"):
         broken.prompt_token_ids
+    d = Dispatcher(RoundRobin(), DispatchSettings(), {"m"})
+    [answer] = d.on_request(b"gw", broken, 0.0, memoryview(encode(broken)))
+    assert answer.side == GATEWAY and answer.message.status == 400 and answer.message.code == "invalid_request"
+    assert "unreadable prompt" in answer.message.message and not d.inflight
     with pytest.raises(msgspec.ValidationError, match="whole number"):
         decode(encode(msgspec.structs.replace(pack_request(GenerateRequest(
             request_id="p", model="m", prompt_token_ids=[1, 2], max_tokens=1)), prompt_packed=b"\x01\x02\x03")))
+
+
+@pytest.mark.parametrize("hashes_packed, scheme", [(b"\x01" * 7, "s:q"), (b"\x01" * 8, "s"), (b"\x01" * 8, ":q")])
+def test_a_replica_takes_a_request_whose_packed_hashes_are_bad(hashes_packed, scheme):
+    """The router hashes such a prompt itself and forwards the bytes: the replica must not refuse them."""
+    packed = msgspec.structs.replace(pack_request(GenerateRequest(request_id="p", model="m", prompt_token_ids=PROMPT,
+                                                                  max_tokens=1)),
+                                     hashes_packed=hashes_packed, prefix_scheme=scheme)
+    got = decode(encode(packed))
+    assert got.prompt_token_ids == PROMPT and got.prefix_hashes == [] and got.prefix_scheme == ""
+
+
+def test_hashes_without_a_scheme_are_dropped_and_packing_twice_changes_nothing():
+    request = GenerateRequest(request_id="p", model="m", prompt_token_ids=[5, 6, 7], max_tokens=1,
+                              prefix_hashes=[1, 2, 3])
+    once = pack_request(request)
+    assert once.hashes_packed == b"" and once.prefix_hashes == [] and once.prefix_scheme == ""
+    assert pack_request(once) is once
+    assert decode(encode(pack_request(once))).prompt_token_ids == [5, 6, 7]
