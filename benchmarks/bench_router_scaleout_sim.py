@@ -2,16 +2,17 @@
 behind one thread that spends the measured router CPU per request (sim/routers.py).
 
     python benchmarks/bench_router_scaleout_sim.py [--site exa256-a100] [--duration 30] [--routers 1 2 4]
-        [--cost-us 72] [--pick round_robin|sticky] [--prefix-mode approximate|precise] [--json OUT]
+        [--cost-us 47] [--pick round_robin|sticky] [--prefix-mode approximate|precise] [--json OUT]
 
 Where two cores cannot run several router threads side by side, this shows what sharing the fleet does at
 the seed's scale. Default: exa256-a100 (256 nodes, 3,072 replicas held at the plan, as bench_simulator's
 exa256 part) with exa256-mix compressed so its diurnal peak (~21,800 requests/s) falls in the middle of
---duration, no faults; 72 us a request (benchmarks/bench_router_throughput.py, prefix affinity, compiled
-index, 3,072 replicas, 2026-12-01): one thread routes at most ~13,900 requests/s, so one router saturates
-at the peak (1.57 CPU-seconds a second) and two or four do not. --site small16-a100 runs the same shape in
-seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost with it (--cost-us
-default there 7,850 us: the same 1.57 CPU-seconds a second at the peak), which is what the tests do.
+--duration, no faults; 47 us a request (benchmarks/bench_router_throughput.py, prefix affinity, compiled
+index, 3,072 replicas, packed prompts, 2026-12-01): one thread routes at most ~21,400 requests/s, so one
+router is saturated at the peak (1.02 CPU-seconds a second) and two or four are not. --site small16-a100
+runs the same shape in seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost
+with it (--cost-us default there 7,850 us: 1.57 CPU-seconds a second at the peak, a clearer saturation),
+which is what the tests do.
 
 First a reference: one router at no CPU cost (the fleet and the policy alone; --no-reference skips it).
 Printed per router count: the requests/s the routers can sustain together (count / cost) and the most they
@@ -39,7 +40,7 @@ from exaserve_hpc.sim.routers import PICKS, ROUTER_COST_S  # noqa: E402
 from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
 from exaserve_hpc.sim.workload import Workload, load_workload, parse_workload  # noqa: E402
 
-PEAK_LOAD = 1.57  # exa256-mix's peak x 72 us: CPU-seconds a second one router is asked for at the peak
+PEAK_LOAD = 1.57  # small16: CPU-seconds a second one router is asked for at the peak (exa256-mix x 72 us: a clear saturation)
 
 
 def workload(site_name: str, duration: float, qps: float) -> Workload:

@@ -33,10 +33,11 @@ from ..router.dispatch import Dispatcher
 from ..router.router_group import merge_snapshots
 
 # Router CPU per request: benchmarks/bench_router_throughput.py, prefix affinity with the compiled index and
-# decision, 3,072 replica sockets, varied prompts, warm index, recording included: 72 us against 26-27 us for
-# zmq.proxy (README, Benchmarks, two runs of 2026-12-01 on the 2-core machine). One thread therefore routes
-# at most ~13,900 requests/s: exa256-mix's peak (~21,800 req/s) offers it 1.57 CPU-seconds a second.
-ROUTER_COST_S = 72e-6
+# decision, 3,072 replica sockets, varied prompts (sent packed, as gateways do), warm index, recording
+# included: 46.8 us against 25.7 us for zmq.proxy (median of 7 rounds; README, Benchmarks, 2026-12-01 on the
+# 2-core machine; 72 us before prompts were packed). One thread therefore routes at most ~21,400
+# requests/s: exa256-mix's peak (~21,800 req/s) offers it 1.02 CPU-seconds a second.
+ROUTER_COST_S = 47e-6
 PICKS = ("round_robin", "sticky")
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: block ids are spaced by powers of two, `% n` alone would not spread
 
