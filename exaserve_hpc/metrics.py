@@ -168,6 +168,43 @@ REPLICA_FAILURES = Counter(
     registry=REGISTRY,
 )
 
+# ------------------------------------------------------------ controller HA (ha.etcd; exaserve_hpc/ha/election.py)
+# One series per controller candidate in the process (candidate: "rankN@NODE", bounded by ha.candidates).
+# Only processes with a gateway serve them: the leader's plane, and rank k < router.count's gateway k.
+HA = ["candidate", "node"]
+HA_LEADER = Gauge(
+    "exaserve_ha_leader",
+    "1 while this candidate leads the controller election and its lease is surely alive, else 0.",
+    HA,
+    registry=REGISTRY,
+)
+HA_ELECTIONS = Counter(
+    "exaserve_ha_elections_total",
+    "Times this candidate won the controller election.",
+    HA,
+    registry=REGISTRY,
+)
+HA_LEASE_SECONDS_LEFT = Gauge(
+    "exaserve_ha_lease_seconds_left",
+    "Seconds until the leader must stop acting unless a renewal lands (its lease TTL less the safety margin, "
+    "from the last renewal it sent); 0 on a standby.",
+    HA,
+    registry=REGISTRY,
+)
+HA_FENCED_WRITES_REFUSED = Counter(
+    "exaserve_ha_fenced_writes_refused_total",
+    "Writes etcd refused because the writer's election key was gone or another candidate's (a deposed leader).",
+    HA,
+    registry=REGISTRY,
+)
+HA_ETCD_ERRORS = Counter(
+    "exaserve_ha_etcd_errors_total",
+    "etcd calls that failed, by kind (unavailable: no member could serve it; refused: a member refused the "
+    "request itself).",
+    ["kind"],
+    registry=REGISTRY,
+)
+
 
 def render(gzipped: bool = False) -> tuple[bytes, str]:
     """The registry and the fleet in Prometheus text exposition format: (body, content type)."""

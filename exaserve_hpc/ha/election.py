@@ -13,6 +13,10 @@ lease may lapse before a renewal could land, `acting()` turns false by itself (c
 at each call, so a renewal stuck in a timeout cannot keep it true) and on_deposed runs. A standby
 campaigns every `renew_interval`: it wins within lease_ttl + renew_interval of the leader's last
 renewal, and etcd lets no one win before the old lease expired.
+
+Metrics (exaserve_hpc/metrics.py, served on the process's gateway /metrics): while started, a candidate's
+exaserve_ha_leader and exaserve_ha_lease_seconds_left are read at scrape time, without side effects (a
+scrape never steps a leader down); exaserve_ha_elections_total and _fenced_writes_refused_total count here.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .. import metrics
 from .etcd_client import EtcdClient, EtcdUnavailable, KeyValue
-from .lease_policy import LeaderAction, LeaseTiming, act_deadline, leader_decision
+from .lease_policy import LeaderAction, LeaseTiming, act_deadline, leader_decision, seconds_left
 
 log = logging.getLogger("exaserve.ha")
 
@@ -53,6 +58,7 @@ class Election:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"exaserve-election-{candidate}", daemon=True)
+        self.labels = (candidate, str(self.info.get("node", "")))
 
     # ---------------------------------------------------------------- the gate
 
@@ -68,6 +74,11 @@ class Election:
         # not when the election thread's renewal, maybe stuck in a timeout, returns.
         self.step_down(f"lease not renewed for {late:.1f}s (TTL {self._granted:g}s, margin {self.timing.margin:g}s)")
         return False
+
+    def seconds_left(self) -> float:
+        """Until this candidate must stop acting (0 when not leading); no step-down, unlike acting()."""
+        with self._lock:
+            return seconds_left(self.clock(), self.leading, self._sent_at, self._granted, self.timing)
 
     def deadline(self) -> float:
         with self._lock:
@@ -91,6 +102,7 @@ class Election:
             self.lease, self.revision, self.holder = lease, kv.create_revision, kv
             self._sent_at, self._granted = sent, float(granted)
             self.leading, self.elected_at, self.deposed_why = True, self.clock(), ""
+        metrics.HA_ELECTIONS.labels(*self.labels).inc()
         log.warning("%s leads (election key %s, revision %d, lease %x, TTL %ds)", self.candidate, self.key,
                     self.revision, lease, granted)
         return True
@@ -123,6 +135,7 @@ class Election:
         if not self.acting():
             raise Deposed(f"{self.candidate} is not acting as the leader")
         if not self.etcd.put_if_created_at(self.key, self.revision, values):
+            metrics.HA_FENCED_WRITES_REFUSED.labels(*self.labels).inc()
             self.step_down("a fenced write was refused: another candidate holds the election key")
             raise Deposed(f"{self.candidate}: write refused, the election key {self.key} is no longer ours")
 
@@ -141,8 +154,17 @@ class Election:
     # ---------------------------------------------------------------- the thread
 
     def start(self) -> "Election":
+        self.export_metrics()
         self._thread.start()
         return self
+
+    def export_metrics(self) -> None:
+        """This candidate's series on the process's /metrics, until stop()."""
+        # read at scrape time: a gauge set by the election thread would show a stuck leader as leading
+        metrics.HA_LEADER.labels(*self.labels).set_function(lambda: 1.0 if self.seconds_left() > 0 else 0.0)
+        metrics.HA_LEASE_SECONDS_LEFT.labels(*self.labels).set_function(self.seconds_left)
+        metrics.HA_ELECTIONS.labels(*self.labels)            # 0 from the start, so increase() sees the first win
+        metrics.HA_FENCED_WRITES_REFUSED.labels(*self.labels)
 
     def stop(self, resign: bool = True) -> None:
         self._stop.set()
@@ -150,6 +172,11 @@ class Election:
             self._thread.join(self.timing.ttl)
         if resign:
             self.resign()
+        for gauge in (metrics.HA_LEADER, metrics.HA_LEASE_SECONDS_LEFT):  # a stopped candidate shows none
+            try:
+                gauge.remove(*self.labels)
+            except KeyError:
+                pass
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -29,6 +29,7 @@ import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw import exceptions as etcd_exceptions
 
+from .. import metrics
 from .etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
@@ -111,6 +112,8 @@ class EtcdClient:
                                              timeout=timeout, api_path="/v3/", session=_session(tls)))
         self._current = 0
         self._lock = threading.Lock()
+        for kind in ("unavailable", "refused"):  # both series from the start, at 0, for rate() in alerts
+            metrics.HA_ETCD_ERRORS.labels(kind)
 
     def _post(self, path: str, body: dict) -> dict:
         """POST to the current member; on a connection failure, a timeout or a server error, to the next ones in
@@ -128,6 +131,7 @@ class EtcdClient:
                 continue
             except etcd_exceptions.Etcd3Exception as exc:
                 if refused(exc.detail_text):  # about the request itself: no other member would take it
+                    metrics.HA_ETCD_ERRORS.labels("refused").inc()
                     raise EtcdRefused(f"etcd member {self.endpoints[index]} refused {path}: {exc.detail_text}") from exc
                 # a member cut off from its quorum answers "etcdserver: request timed out" (HTTP 500/503):
                 # another member may be in the majority
@@ -138,6 +142,7 @@ class EtcdClient:
                 with self._lock:
                     self._current = index
             return result
+        metrics.HA_ETCD_ERRORS.labels("unavailable").inc()
         if answered:  # some answered, with an error: not a network problem alone
             raise EtcdUnavailable(f"no etcd member could serve {path} (each given {self.timeout:g}s): "
                                   f"{'; '.join(errors)}")

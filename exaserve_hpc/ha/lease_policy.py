@@ -82,3 +82,11 @@ def leader_decision(now: float, sent_at: float, granted_ttl: float, timing: Leas
     if now - sent_at >= timing.renew_interval:
         return LeaderAction.RENEW
     return LeaderAction.ACT
+
+
+def seconds_left(now: float, leading: bool, sent_at: float, granted_ttl: float, timing: LeaseTiming) -> float:
+    """What exaserve_ha_lease_seconds_left shows: the time until the leader must stop acting (0 on a standby,
+    and never negative: a late leader shows 0 until its gate steps it down)."""
+    if not leading or granted_ttl <= 0:
+        return 0.0
+    return max(0.0, act_deadline(sent_at, granted_ttl, timing) - now)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
 import openai
 import pytest
+import requests
 
 from serve_harness import write_local_site
 from tests.ha.conftest import (NODES, client_for, cli_status as status, fleet_state_names, read_json, start_rank,
@@ -89,6 +91,12 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
         reply = wait_for(lambda: _complete(client), 30, "a completion through the new leader's gateway")
         served = time.monotonic() - killed
         print(f"serving through the new leader's gateway {served:.2f}s after the kill ({reply!r})")
+        # the new leader's /metrics, served by its process: it leads, and won once
+        body = requests.get(f"{url}/metrics", timeout=10).text
+        who = f'candidate="{ha["leader"]}",node="{NODES[int(new_log.stem[-1])]}"'
+        assert f"exaserve_ha_leader{{{who}}} 1.0" in body, body
+        assert f"exaserve_ha_elections_total{{{who}}} 1.0" in body, body
+        assert float(re.search(rf"exaserve_ha_lease_seconds_left{{{who}}} (\S+)", body).group(1)) > 0, body
     finally:
         for p in ranks:
             try:

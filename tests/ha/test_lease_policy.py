@@ -5,6 +5,7 @@ import pytest
 from exaserve_hpc.config import HaConfig
 from exaserve_hpc.ha.lease_policy import (
     LeaderAction, LeaseTiming, act_deadline, default_renew_interval, lease_problems, leader_decision, margin_for,
+    seconds_left,
 )
 
 T = LeaseTiming.from_settings(10.0)  # renew every 2 s, margin 2.5 s
@@ -24,6 +25,16 @@ def test_act_then_renew_then_step_down_before_expiry():
     assert act_deadline(100.0, 10, T) == 107.5
     assert leader_decision(107.5, 100.0, 10, T) is LeaderAction.STEP_DOWN
     assert leader_decision(500.0, 100.0, 10, T) is LeaderAction.STEP_DOWN
+
+
+def test_seconds_left_counts_down_to_the_step_down_and_never_below_zero():
+    assert seconds_left(100.0, True, 100.0, 10, T) == 7.5
+    assert seconds_left(105.0, True, 100.0, 10, T) == 2.5
+    assert seconds_left(107.5, True, 100.0, 10, T) == 0.0  # the moment leader_decision says STEP_DOWN
+    assert seconds_left(500.0, True, 100.0, 10, T) == 0.0
+    assert seconds_left(100.0, True, 100.0, 4, T) == 1.5   # a shorter grant counts from its own TTL
+    assert seconds_left(100.0, True, 100.0, 0, T) == 0.0   # an expired lease
+    assert seconds_left(100.0, False, 100.0, 10, T) == 0.0  # a standby
 
 
 def test_expired_or_shorter_grant():

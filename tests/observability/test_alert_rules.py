@@ -60,7 +60,7 @@ def test_every_rule_has_a_firing_and_a_quiet_case():
     names = {r["alert"] for r in rules()}
     assert names >= {"HighReplicaQueueDepth", "LowKVCacheHitRate", "NodeLost", "ReplicaFlapping",
                      "WeightChecksumFailure", "QuotaExhausted", "ControllerCheckpointFailing",
-                     "NoReplicaServingModel"}
+                     "NoReplicaServingModel", "ControllerLeaderCount", "ControllerEtcdErrors"}
     assert names - firing == set() and names - quiet == set()
 
 
