@@ -9,6 +9,7 @@ rank leads with its own router alone, and its gateway fails no request either.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -41,6 +42,14 @@ def serving(s: dict) -> dict[str, dict]:
     return {r["replica_id"]: r for r in s.get("replicas", []) if r["state"] == "serving"}
 
 
+def leading(url: str, k: int) -> float:
+    """exaserve_ha_leader of rank k's candidate, from gateway k's /metrics."""
+    body = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf'^exaserve_ha_leader{{candidate="rank{k}@{NODES[k]}",node="{NODES[k]}"}} (\S+)$', body, re.M)
+    assert found, body
+    return float(found.group(1))
+
+
 def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_cluster, tmp_path):
     site = {"site": "ha-routers", "cluster": {"nodes": 3, "nodelist": ",".join(NODES)},
             "heartbeat": {"interval": "1s", "controller_timeout": "30s"}, "scheduler": {"tick_interval": "500ms"},
@@ -69,6 +78,8 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
             status(job_dir)), 90, "three replicas serving, seen by the three routers")
         assert "leads" in logs[0].read_text(), output()
         old = read(job_dir / "controller.json")["endpoint"]
+        # every gateway serves its own rank's candidate on /metrics: the leader's 1, the standbys' 0
+        assert [leading(gateway[k], k) for k in range(3)] == [1.0, 0.0, 0.0]
         kept = {rid: r["pid"] for rid, r in serving(first).items() if r["node"] != "nodea"}
         assert kept, first["replicas"]  # at least one replica runs off the leader's node
 
@@ -99,6 +110,7 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
             "the new leader with routers 1 and 2 and the kept replicas (their pids reported)")
         adopted = time.monotonic() - killed
         assert after["ha"]["leader"] == f"rank{leader}@{NODES[leader]}", after["ha"]
+        assert {k: leading(gateway[k], k) for k in (1, 2)} == {leader: 1.0, 3 - leader: 0.0}
         assert {rid: r["pid"] for rid, r in serving(after).items() if rid in kept} == kept, output()
         assert sorted(read(job_dir / "serve.json")["gateways"]) == sorted([gateway[1], gateway[2]])
         assert "restarting it" not in logs[1].read_text() + logs[2].read_text(), output()
