@@ -56,8 +56,14 @@ def test_leader_node_killed_the_other_gateways_fail_no_request_and_keep_their_re
             time.sleep(0.3)
         assert len(read(job.job_dir / "serve.json").get("gateways", [])) == 3, job.log()
         routers = job.status()["router"].get("routers", [])
+        # Seen once (a CI run on a loaded machine): router 2 serving with 0 replicas for 60 s. Its cause is not
+        # known; on a failure this prints what each process logged (INFO and up: routers joining, replicas'
+        # routers) so the next one can be told apart.
         assert [(r["state"], r["replicas"]) for r in routers] == [("serving", REPLICAS)] * 3, \
-            f"{routers}\n{job.log()[-6000:]}"
+            f"{routers}\n{job.log()[-4000:]}\n" + "\n".join(
+                f"{p.name}: {line}" for p in sorted(logs.glob("*.log"))
+                for line in p.read_text(errors="replace").splitlines()[-60:]
+                if "router" in line or "WARNING" in line or "ERROR" in line)[-12000:]
         gateways = {k: read(job.job_dir / "routers" / f"rank-{k}.json")["gateway_url"] for k in (1, 2)}
         first = job.status()
         assert read(job.job_dir / "controller.json")["endpoint"].startswith("tcp://10.77.0.1:"), job.log()
