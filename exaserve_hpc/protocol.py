@@ -8,7 +8,7 @@ ROUTER sockets add the peer identity frame in front.
 Who sends what:
   gateway  -> router     GenerateRequest, Abort
   router   -> gateway    TokenChunk, RequestError
-  router   -> replica    GenerateRequest, Abort, Drain
+  router   -> replica    GenerateRequest, Abort, Drain, SayHello
   replica  -> router     ReplicaHello, ReplicaStats (also its heartbeat), TokenChunk,
                          RequestError, ReplicaBye
   agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent, LoadFailed
@@ -120,6 +120,11 @@ class ReplicaBye(_Msg, tag="bye"):
 
 class Drain(_Msg, tag="drain"):
     timeout: float = 30.0
+
+
+class SayHello(_Msg, tag="say_hello"):
+    """Router -> replica: this router does not know you (it expired you, or your hello never came):
+    send it your hello again. The replica's links answer it themselves (agent/router_links.py)."""
 
 
 # ------------------------------------------------------------ agent <-> controller
@@ -320,7 +325,7 @@ class LoadFailed(_Msg, tag="load_failed"):
 
 Message = Union[
     GenerateRequest, Abort, TokenChunk, RequestError,
-    ReplicaHello, ReplicaStats, ReplicaBye, Drain,
+    ReplicaHello, ReplicaStats, ReplicaBye, Drain, SayHello,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
     Prefetch, LoadFailed, HeartbeatAck, StageHello, StageTable,
 ]

@@ -16,16 +16,21 @@ With several, a send never blocks: a router that is gone (its node lost) must no
 serving the others. Its pipe keeps up to LINK_HWM messages for a reconnect; past that, messages to it
 are dropped (counted, logged once per router): they were answers to requests whose router is gone,
 or stats a router that comes back does not need.
+
+A router that gets stats from a replica it does not know (it expired it, or the hello was lost) answers
+SayHello; the links send that router alone the hello last broadcast, and the replica goes on serving.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 import zmq
 
-from ..protocol import Abort, DecodeError, GenerateRequest, Message, RequestError, TokenChunk, decode, encode
+from ..protocol import (
+    Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, SayHello, TokenChunk, decode, encode,
+)
 
 log = logging.getLogger("exaserve.replica")
 
@@ -41,6 +46,8 @@ class RouterLinks:
         self.sockets: list[zmq.Socket] = []
         self.poller = zmq.Poller()
         self._origin: dict[str, int] = {}  # request id -> index of the router that sent it
+        self._hello: Optional[bytes] = None  # the replica's hello as last broadcast: sent again on SayHello
+        self.hellos_again = 0  # SayHello answered (a router had expired this replica, or missed its hello)
         self.dropped = [0] * len(self.endpoints)  # messages a full pipe refused, per router
         from ..bootstrap import secure_client
         for endpoint in self.endpoints:
@@ -75,6 +82,12 @@ class RouterLinks:
                 except DecodeError as exc:
                     log.warning("dropping an undecodable message from router %s: %s", self.endpoints[index], exc)
                     continue
+                if message.__class__ is SayHello:  # answered here: only the router that asked gets it
+                    if self._hello is not None:
+                        self.hellos_again += 1
+                        log.info("router %s asked for this replica's hello again: sent", self.endpoints[index])
+                        self._send_to(index, self._hello) if self.several else sock.send(self._hello)
+                    continue
                 if self.several:
                     if isinstance(message, GenerateRequest):
                         self._origin[message.request_id] = index
@@ -100,6 +113,8 @@ class RouterLinks:
 
     def broadcast(self, message: Message) -> None:
         frame = encode(message)
+        if message.__class__ is ReplicaHello:
+            self._hello = frame
         if not self.several:
             self.sockets[0].send(frame)
             return

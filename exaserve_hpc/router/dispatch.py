@@ -30,7 +30,8 @@ from typing import Optional
 import msgspec
 
 from ..protocol import (
-    Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
+    Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, SayHello,
+    TokenChunk,
     unpack_hashes, unpack_request,
 )
 from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
@@ -102,8 +103,10 @@ class Dispatcher:
             return self.register(replica_id, message, now)
         entry = self.replicas.get(replica_id)
         if entry is None:
-            # A replica we dropped (expired) speaks again: make it say hello first.
-            return [Outgoing(REPLICA, replica_id.encode(), Drain(timeout=0))] if isinstance(message, ReplicaStats) else []
+            # A replica we dropped (expired) speaks again, or its hello never came: ask for its hello. Not
+            # Drain(timeout=0), as before: with several routers that stopped the replica for all of them
+            # when only its link to this one had failed; a replica that was slow is healthy again anyway.
+            return [Outgoing(REPLICA, replica_id.encode(), SayHello())] if isinstance(message, ReplicaStats) else []
         entry.last_seen = now
         if isinstance(message, ReplicaStats):
             entry.load.queue_depth = message.queue_depth

@@ -177,3 +177,54 @@ def test_an_elected_leaders_group_adopts_the_other_ranks_routers_and_keeps_its_o
     assert routers.group.backend_endpoints == ["tcp://127.0.0.1:7201", "tcp://127.0.0.1:7202"]
     routers.stop()
     assert not own.stopped
+
+
+def _stats(replica_id: str) -> ReplicaStats:
+    return ReplicaStats(replica_id=replica_id, queue_depth=0, kv_used=0.0)
+
+
+def test_a_router_that_expired_a_replica_asks_for_its_hello_and_the_replica_serves_it_again(context):
+    """Real routers and a replica's real links: router A expires the replica (silent past its expiry), router
+    B does not; when the replica speaks again A asks for its hello (before: Drain(timeout=0), which stopped
+    the replica for both routers), the links send it to A alone, and both route to the replica again."""
+    quick = ZmqRouter(Dispatcher(RoundRobin(), DispatchSettings(first_token_timeout=30, replica_expiry=0.5,
+                                                                request_timeout=60), {"m"}), context=context).start()
+    patient = make_router(context)
+    links = RouterLinks(context, "m/r1", [quick.backend_endpoint, patient.backend_endpoint])
+    registered = lambda router: [r["replica_id"] for r in router.snapshot()["replicas"]]  # noqa: E731
+    try:
+        links.broadcast(ReplicaHello(replica_id="m/r1", model="m", pid=1, max_batch_size=4, max_seq_len=64))
+        wait_for(lambda: registered(quick) == ["m/r1"] and registered(patient) == ["m/r1"], 10, "both hellos")
+        wait_for(lambda: not registered(quick), 10, "router A expiring the silent replica")
+        links.broadcast(_stats("m/r1"))  # the replica speaks again
+        received = []
+        deadline = time.monotonic() + 10
+        while links.hellos_again == 0 and time.monotonic() < deadline:
+            if links.poll(100):
+                received += list(links.receive(16))
+        assert links.hellos_again == 1 and not any(isinstance(m, Drain) for m in received), received
+        wait_for(lambda: registered(quick) == ["m/r1"], 10, "router A taking the replica back")
+        gateway = context.socket(zmq.DEALER)
+        gateway.setsockopt(zmq.LINGER, 0)
+        gateway.connect(quick.frontend_endpoint)
+        gateway.send(encode(GenerateRequest(request_id="after", model="m", prompt_token_ids=[1, 2], max_tokens=1)))
+        got, deadline = [], time.monotonic() + 10
+        while not any(isinstance(m, GenerateRequest) for m in got) and time.monotonic() < deadline:
+            if links.poll(100):
+                got += list(links.receive(16))
+        assert [m.request_id for m in got if isinstance(m, GenerateRequest)] == ["after"], got
+        # Router B heard one hello only: a second would have re-registered the replica there (a fresh entry).
+        assert patient.snapshot()["replicas"][0]["replica_id"] == "m/r1" and links.hellos_again == 1
+        gateway.close(0)
+    finally:
+        links.close()
+        quick.stop()
+        patient.stop()
+
+
+def test_the_dispatcher_asks_an_unknown_replica_for_its_hello_rather_than_draining_it():
+    from exaserve_hpc.protocol import SayHello
+    d = Dispatcher(RoundRobin(), DispatchSettings(), {"m"})
+    [out] = d.on_replica_message("m/ghost", _stats("m/ghost"), 0.0)
+    assert out.peer == b"m/ghost" and isinstance(out.message, SayHello)
+    assert d.on_replica_message("m/ghost", TokenChunk(request_id="x", token_ids=[1]), 0.0) == []
