@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import json
 import subprocess
@@ -155,6 +156,17 @@ def start_rank(site_file: Path, job_dir: Path, rank: int, log: Path, job_id: str
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def kill_ranks(ranks) -> None:
+    """Every rank's whole process group (its agent, replicas, etcd member) killed and reaped; a rank
+    already gone is fine. The tests' finally."""
+    for p in ranks:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def read_json(path: Path) -> dict:

@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from serve_harness import write_local_site
-from tests.ha.conftest import (NODES, client_for, cli_status as status, fleet_state_names, read_json, start_rank,
-                               tls_settings)
+from tests.ha.conftest import (NODES, client_for, cli_status as status, fleet_state_names, kill_ranks, read_json,
+                               start_rank, tls_settings)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -98,12 +98,7 @@ def test_standby_leads_after_the_leader_is_killed(etcd_cluster, tmp_path):
         assert f"exaserve_ha_elections_total{{{who}}} 1.0" in body, body
         assert float(re.search(rf"exaserve_ha_lease_seconds_left{{{who}}} (\S+)", body).group(1)) > 0, body
     finally:
-        for p in ranks:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_ranks(ranks)
 
 
 def test_a_job_stopped_by_its_leader_has_no_failover(etcd_cluster, tmp_path):
@@ -127,12 +122,7 @@ def test_a_job_stopped_by_its_leader_has_no_failover(etcd_cluster, tmp_path):
         # a standby may win the released key, but it reads the stop mark and builds no control plane
         assert [" leads: controller" in p.read_text() for p in logs] == [True, False, False], output()
     finally:
-        for p in ranks:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_ranks(ranks)
 
 
 def test_a_controller_that_cannot_start_stops_every_rank(etcd_cluster, tmp_path):
@@ -152,9 +142,4 @@ def test_a_controller_that_cannot_start_stops_every_rank(etcd_cluster, tmp_path)
         assert all(code != 0 for code in codes), output
         assert all("nosuchif0" in p.read_text() for p in logs), output
     finally:
-        for p in ranks:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_ranks(ranks)

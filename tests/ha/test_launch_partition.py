@@ -6,16 +6,14 @@ is back the old leader's rank stays a standby and its agent follows the new lead
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 
 import pytest
 
 from serve_harness import write_local_site
-from tests.ha.conftest import (NODES, cli_status as status, ip, logged_at, need_etcd, read_json, start_cluster,
-                               start_rank, tls_settings)
+from tests.ha.conftest import (NODES, cli_status as status, ip, kill_ranks, logged_at, need_etcd, read_json,
+                               start_cluster, start_rank, tls_settings)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -69,11 +67,6 @@ def test_partitioned_leader_stops_before_the_standby_leads(netns, tmp_path):
         assert logs[0].read_text().count(" leads (election key") == 1, output()
     finally:
         subprocess.run(["ip", "link", "set", host_if, "up"], capture_output=True)
-        for p in ranks:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_ranks(ranks)
         for m in members:
             m.stop()

@@ -19,7 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.ha.conftest import NODES, client_for, fleet_state_names, read_json as read, start_rank, tls_settings
+from tests.ha.conftest import (NODES, client_for, fleet_state_names, kill_ranks, read_json as read, start_rank,
+                               tls_settings)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
@@ -156,9 +157,4 @@ def test_the_surviving_gateways_serve_through_the_loss_of_the_leaders_node(etcd_
         assert failed == {last: 0}, output()
     finally:
         done.set()
-        for p in ranks:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_ranks(ranks)

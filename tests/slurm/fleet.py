@@ -218,13 +218,16 @@ def wait_job(predicate, timeout: float, what: str, job: Job, poll: float = 0.5):
 
 
 def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = (), launcher_args: str = "",
-           port: Optional[int] = 0) -> Job:
-    """`exaserve submit` the site's job; `port`: the gateway's --port (None: the site's gateway.port)."""
+           port: Optional[int] = 0, log_dir: Optional[Path] = None) -> Job:
+    """`exaserve submit` the site's job; `port`: the gateway's --port (None: the site's gateway.port);
+    `log_dir`: every process of the job writes its own log file there (EXASERVE_LOG_DIR, which the job
+    inherits from the submitting environment: useful where the job's output is on a node a test kills)."""
     port_flag = "" if port is None else f"--port {port} "
     launcher = f"{sys.executable} -m exaserve_hpc.launcher {port_flag}{launcher_args}".rstrip()
+    env = None if log_dir is None else {**os.environ, "EXASERVE_LOG_DIR": str(log_dir)}
     result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
                              str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
-                             f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60)
+                             f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"exaserve submit failed ({result.returncode}): {result.stderr}")
     job_id = int(result.stdout.split("submitted job ")[1].split(":")[0])

@@ -7,7 +7,6 @@ agents follow it, and the fleet serves again through the new leader's gateway, w
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import httpx
@@ -52,11 +51,7 @@ def test_leader_node_killed_a_standby_leads_and_the_fleet_serves_again(slurm_clu
     site.write_text(yaml.safe_dump(data))
     logs = directory / "logs"  # every process's own log file (the job's output is written on n1, killed)
     logs.mkdir()
-    os.environ["EXASERVE_LOG_DIR"] = str(logs)
-    try:
-        job = submit(site, directory / "jobs", nodes=4)
-    finally:
-        os.environ.pop("EXASERVE_LOG_DIR", None)
+    job = submit(site, directory / "jobs", nodes=4, log_dir=logs)
     try:
         serving = wait_serving(job, agents=4, replicas=REPLICAS)
         members = [json.loads((job.job_dir / "etcd" / "restart-0" / f"member-{r}.json").read_text())

@@ -8,7 +8,6 @@ lease periods (measured and printed), adopts routers 1 and 2, and keeps every re
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -40,11 +39,7 @@ def test_leader_node_killed_the_other_gateways_fail_no_request_and_keep_their_re
     site.write_text(yaml.safe_dump(data))
     logs = directory / "logs"  # every process's own log file (the job's output is written on n1, killed)
     logs.mkdir()
-    os.environ["EXASERVE_LOG_DIR"] = str(logs)
-    try:
-        job = submit(site, directory / "jobs", nodes=4)
-    finally:
-        os.environ.pop("EXASERVE_LOG_DIR", None)
+    job = submit(site, directory / "jobs", nodes=4, log_dir=logs)
     streams: list[RequestStream] = []
     try:
         wait_serving(job, agents=4, replicas=REPLICAS)
