@@ -152,17 +152,25 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
         socks[sent % len(socks)].send(bodies[sent % len(bodies)])
         sent += 1
 
+    def answers(timeout_ms: int, each=None) -> int:
+        """Read every answer waiting (after up to timeout_ms for the first); `each` runs per answer."""
+        count = 0
+        for sock, _ in poller.poll(timeout_ms):
+            while True:
+                try:
+                    sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                count += 1
+                if each is not None:
+                    each()
+        return count
+
     def pump(until: float) -> int:
+        """Closed loop: each answer sends the next request, so `window` stay in flight."""
         answered = 0
         while time.perf_counter() < until:
-            for sock, _ in poller.poll(100):
-                while True:
-                    try:
-                        sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    answered += 1
-                    send()
+            answered += answers(100, send)
         return answered
 
     def paced(until: float) -> int:
@@ -172,13 +180,7 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
             due = base + int(args.rate * (now - start))
             while sent < due and sent - base - answered < args.window:
                 send()
-            for sock, _ in poller.poll(1):
-                while True:
-                    try:
-                        sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    answered += 1
+            answered += answers(1)
         return answered
 
     # The hubs' CPU while nothing is sent (ticks, status snapshots): subtracted in --rate runs, where

@@ -364,8 +364,8 @@ def pack_ints(values, typecode: str) -> bytes:
     return packed.tobytes()
 
 
-def unpack_ints(data: bytes, typecode: str) -> list[int]:
-    """`pack_ints` undone; ValidationError for a length that is not a whole number of integers."""
+def unpack_array(data: bytes, typecode: str) -> array:
+    """`pack_ints` undone, as an array; ValidationError for a length that is not a whole number of integers."""
     values = array(typecode)
     if len(data) % values.itemsize:
         raise msgspec.ValidationError(f"packed integers of {len(data)} bytes are not a whole number of "
@@ -373,7 +373,11 @@ def unpack_ints(data: bytes, typecode: str) -> list[int]:
     values.frombytes(data)
     if not _LITTLE:  # pragma: no cover
         values.byteswap()
-    return values.tolist()
+    return values
+
+
+def unpack_ints(data: bytes, typecode: str) -> list[int]:
+    return unpack_array(data, typecode).tolist()
 
 
 def pack_request(request: GenerateRequest) -> GenerateRequest:
@@ -428,13 +432,7 @@ def unpack_hashes(data: bytes, scheme: str) -> tuple["array | list[int]", str]:
             split = split_scheme(scheme)
             if len(_schemes) < 64:
                 _schemes[scheme] = split
-        hashes = array(split[1])
-        if len(data) & 7:
-            return [], ""
-        hashes.frombytes(data)
-        if not _LITTLE:  # pragma: no cover
-            hashes.byteswap()
-        return hashes, split[0]
+        return unpack_array(data, split[1]), split[0]
     except msgspec.ValidationError:
         return [], ""
 
