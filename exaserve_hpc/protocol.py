@@ -8,7 +8,7 @@ ROUTER sockets add the peer identity frame in front.
 Who sends what:
   gateway  -> router     GenerateRequest, Abort
   router   -> gateway    TokenChunk, RequestError
-  router   -> replica    GenerateRequest, Abort, Drain, SayHello
+  router   -> replica    GenerateRequest, Abort, Drain, SayHello, Routers
   replica  -> router     ReplicaHello, ReplicaStats (also its heartbeat), TokenChunk,
                          RequestError, ReplicaBye
   agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent, LoadFailed
@@ -93,6 +93,7 @@ class ReplicaHello(_Msg, tag="hello"):
     node: str = ""
     version: str = ""  # model version (canary rollout); "" = the model's only/stable version
     kv_events_endpoint: str = ""  # ZeroMQ PUB endpoint of the engine's KV events (precise prefix routing)
+    routers: list[str] = []  # the router backends this replica is linked to (several routers; set by its links)
 
 
 class ReplicaStats(_Msg, tag="stats"):
@@ -125,6 +126,13 @@ class Drain(_Msg, tag="drain"):
 class SayHello(_Msg, tag="say_hello"):
     """Router -> replica: this router does not know you (it expired you, or your hello never came):
     send it your hello again. The replica's links answer it themselves (agent/router_links.py)."""
+
+
+class Routers(_Msg, tag="routers"):
+    """Router -> replica: every router's backend as the fleet knows them now (router.count > 1). A router
+    that registered after this replica started is among them: the replica's links connect to each one
+    they lack and say hello to it (agent/router_links.py); the ones they have are left as they are."""
+    backends: list[str]
 
 
 # ------------------------------------------------------------ agent <-> controller
@@ -325,7 +333,7 @@ class LoadFailed(_Msg, tag="load_failed"):
 
 Message = Union[
     GenerateRequest, Abort, TokenChunk, RequestError,
-    ReplicaHello, ReplicaStats, ReplicaBye, Drain, SayHello,
+    ReplicaHello, ReplicaStats, ReplicaBye, Drain, SayHello, Routers,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
     Prefetch, LoadFailed, HeartbeatAck, StageHello, StageTable,
 ]

@@ -19,6 +19,11 @@ or stats a router that comes back does not need.
 
 A router that gets stats from a replica it does not know (it expired it, or the hello was lost) answers
 SayHello; the links send that router alone the hello last broadcast, and the replica goes on serving.
+
+A router that registered after this replica started (a router rank late past placement's grace) is
+named by Routers, which a router sends to each replica it knows when the fleet's routers change and in
+answer to a hello that lacks one of them (router/dispatch.py): the links connect to it and say hello,
+so no router is left serving a gateway with none of the replicas started before it came.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Iterator, Optional
 import zmq
 
 from ..protocol import (
-    Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, SayHello, TokenChunk, decode, encode,
+    Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, Routers, SayHello, TokenChunk, decode,
+    encode,
 )
 
 log = logging.getLogger("exaserve.replica")
@@ -41,26 +47,52 @@ class RouterLinks:
     def __init__(self, context: zmq.Context, replica_id: str, endpoints: list[str], keys=None):
         if not endpoints:
             raise ValueError("a replica needs at least one router backend")
-        self.endpoints = list(dict.fromkeys(endpoints))  # router 0 first; a repeat would double every message
-        self.several = len(self.endpoints) > 1
+        self._context, self._identity, self._keys = context, replica_id.encode(), keys
+        self.endpoints: list[str] = []
         self.sockets: list[zmq.Socket] = []
         self.poller = zmq.Poller()
         self._origin: dict[str, int] = {}  # request id -> index of the router that sent it
-        self._hello: Optional[bytes] = None  # the replica's hello as last broadcast: sent again on SayHello
+        self._hello: Optional[ReplicaHello] = None  # as last broadcast: sent again on SayHello, and to a new router
         self.hellos_again = 0  # SayHello answered (a router had expired this replica, or missed its hello)
-        self.dropped = [0] * len(self.endpoints)  # messages a full pipe refused, per router
+        self.dropped: list[int] = []  # messages a full pipe refused, per router
+        for endpoint in dict.fromkeys(endpoints):  # router 0 first; a repeat would double every message
+            self._open(endpoint)
+
+    @property
+    def several(self) -> bool:
+        return len(self.sockets) > 1
+
+    def _open(self, endpoint: str) -> int:
         from ..bootstrap import secure_client
-        for endpoint in self.endpoints:
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, replica_id.encode())
-            sock.setsockopt(zmq.LINGER, 2000)
-            if self.several:
-                sock.setsockopt(zmq.SNDHWM, LINK_HWM)
-            if keys is not None:  # under `exaserve launch` the routers admit only the job's key
-                secure_client(sock, keys)
-            sock.connect(endpoint)
-            self.poller.register(sock, zmq.POLLIN)
-            self.sockets.append(sock)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.LINGER, 2000)
+        # Every link, router 0's too: one that starts alone may be joined by a router that registers later
+        # (Routers), and from then on sends do not block (a burst of chunks must fit rather than be dropped).
+        sock.setsockopt(zmq.SNDHWM, LINK_HWM)
+        if self._keys is not None:  # under `exaserve launch` the routers admit only the job's key
+            secure_client(sock, self._keys)
+        sock.connect(endpoint)
+        self.poller.register(sock, zmq.POLLIN)
+        self.endpoints.append(endpoint)
+        self.sockets.append(sock)
+        self.dropped.append(0)
+        return len(self.sockets) - 1
+
+    def join(self, backends: list[str]) -> list[str]:
+        """Link to each router in `backends` not linked yet and say hello to it (a router that registered
+        after this replica started); the routers already linked are left as they are. Returns the new ones."""
+        new = [b for b in dict.fromkeys(backends) if b and b not in self.endpoints]
+        for endpoint in new:
+            index = self._open(endpoint)
+            log.info("router %s joined the fleet after this replica started: linked, hello sent", endpoint)
+            if self._hello is not None:
+                self._send_to(index, self._hello_frame())
+        return new
+
+    def _hello_frame(self) -> bytes:
+        self._hello.routers = list(self.endpoints)  # what the routers check: does it know every one of them?
+        return encode(self._hello)
 
     # ---------------------------------------------------------------- receiving
 
@@ -86,7 +118,10 @@ class RouterLinks:
                     if self._hello is not None:
                         self.hellos_again += 1
                         log.info("router %s asked for this replica's hello again: sent", self.endpoints[index])
-                        self._send_to(index, self._hello) if self.several else sock.send(self._hello)
+                        self._send_to(index, self._hello_frame()) if self.several else sock.send(self._hello_frame())
+                    continue
+                if message.__class__ is Routers:  # answered here too: the links are this module's business
+                    self.join(message.backends)
                     continue
                 if self.several:
                     if isinstance(message, GenerateRequest):
@@ -112,9 +147,11 @@ class RouterLinks:
         self._send_to(index, encode(message))
 
     def broadcast(self, message: Message) -> None:
-        frame = encode(message)
         if message.__class__ is ReplicaHello:
-            self._hello = frame
+            self._hello = message
+            frame = self._hello_frame()
+        else:
+            frame = encode(message)
         if not self.several:
             self.sockets[0].send(frame)
             return

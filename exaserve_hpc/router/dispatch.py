@@ -30,7 +30,7 @@ from typing import Optional
 import msgspec
 
 from ..protocol import (
-    Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, SayHello,
+    Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, Routers, SayHello,
     TokenChunk,
     unpack_hashes, unpack_request,
 )
@@ -60,6 +60,7 @@ class Dispatcher:
         self.pending: deque[str] = deque()  # request ids waiting for a replica of their model
         self.counters = {"accepted": 0, "completed": 0, "failed": 0, "retries": 0, "breaker_opened": 0}
         self.reasons: dict[str, int] = {}  # routing branch -> count (policy Decision.reason)
+        self.router_backends: list[str] = []  # every router's backend when several share the fleet (set_routers)
 
     # ---------------------------------------------------------------- gateway side
 
@@ -148,7 +149,21 @@ class Dispatcher:
         self.version_pools.setdefault((hello.model, hello.version), ReplicaPool()).add(entry.load)
         log.info("replica %s registered (model %s%s, node %s)", replica_id, hello.model,
                  f" version {hello.version}" if hello.version else "", hello.node)
-        return self._drain_pending(now)
+        out = self._drain_pending(now)
+        if self.router_backends and not set(self.router_backends) <= set(hello.routers):
+            # it started before a router registered: name them all, its links join the ones it lacks
+            out.append(Outgoing(REPLICA, replica_id.encode(), Routers(backends=list(self.router_backends))))
+        return out
+
+    def set_routers(self, backends: list[str]) -> list[Outgoing]:
+        """The fleet's routers changed (one registered late): every router's backend, this one's included.
+        Each replica known here is told (Routers); its links join the routers they lack, and a replica
+        whose hello comes later is told then (register)."""
+        self.router_backends = list(backends)
+        if len(self.router_backends) < 2:
+            return []
+        message = Routers(backends=list(self.router_backends))
+        return [Outgoing(REPLICA, replica_id.encode(), message) for replica_id in self.replicas]
 
     def _unregister(self, replica_id: str) -> Optional[ReplicaEntry]:
         entry = self.replicas.pop(replica_id, None)

@@ -92,6 +92,7 @@ class RouterGroup:
         self.discover: Callable[..., None] = lambda force=False: None
         for member in self.members[1:]:
             self._wire(member)
+        self._announce()
 
     # ---------------------------------------------------------------- endpoints
 
@@ -121,6 +122,20 @@ class RouterGroup:
             self.members.append(member)
             self.gateways.append(gateway)
         self._wire(member)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell the routers in this process every router's backend: each tells the replicas it knows, and
+        any whose hello lacks one, so a replica started before a router registered links to it too
+        (dispatch.set_routers, agent/router_links.py). A router of another rank need not: every replica
+        links to router 0, which is in this process."""
+        if len(self.members) < 2:
+            return
+        with self._lock:
+            backends = [m.backend_endpoint for m in self.members]
+        for member in list(self.members):
+            if hasattr(member, "call"):
+                member.call(lambda d: d.set_routers(backends))
 
     def _wire(self, member) -> None:
         from .router_link import RemoteRouter

@@ -228,3 +228,56 @@ def test_the_dispatcher_asks_an_unknown_replica_for_its_hello_rather_than_draini
     [out] = d.on_replica_message("m/ghost", _stats("m/ghost"), 0.0)
     assert out.peer == b"m/ghost" and isinstance(out.message, SayHello)
     assert d.on_replica_message("m/ghost", TokenChunk(request_id="x", token_ids=[1]), 0.0) == []
+
+
+def test_a_router_added_to_the_group_later_is_joined_by_a_replica_started_before_it(context):
+    """Real routers and a replica's real links: the replica starts linked to router A alone (router B had not
+    registered); B joins the group, A tells the replica (Routers), its links connect to B and say hello, and
+    B routes a request to it with the answer coming back on B. Without Routers B would never see it."""
+    first, late = make_router(context), make_router(context)
+    group = RouterGroup([first])
+    links = RouterLinks(context, "m/r1", [first.backend_endpoint])
+    registered = lambda router: [r["replica_id"] for r in router.snapshot()["replicas"]]  # noqa: E731
+    gateway = context.socket(zmq.DEALER)
+    gateway.setsockopt(zmq.LINGER, 0)
+    try:
+        links.broadcast(ReplicaHello(replica_id="m/r1", model="m", pid=1, max_batch_size=4, max_seq_len=64))
+        wait_for(lambda: registered(first) == ["m/r1"], 10, "the hello to router A")
+        group.add(late)  # B registers late: A names every router to the replicas it knows
+        deadline = time.monotonic() + 10
+        while len(links.endpoints) < 2 and time.monotonic() < deadline:
+            if links.poll(100):
+                list(links.receive(16))
+        assert links.endpoints == [first.backend_endpoint, late.backend_endpoint]
+        wait_for(lambda: registered(late) == ["m/r1"], 10, "the replica's hello to router B")
+        gateway.connect(late.frontend_endpoint)
+        gateway.send(encode(GenerateRequest(request_id="via-b", model="m", prompt_token_ids=[1, 2], max_tokens=1)))
+        got, deadline = [], time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            if links.poll(100):
+                got += [m for m in links.receive(16) if isinstance(m, GenerateRequest)]
+        assert [m.request_id for m in got] == ["via-b"]
+        links.send(TokenChunk(request_id="via-b", token_ids=[7], finished=True, finish_reason="length"))
+        assert gateway.poll(10_000), "router B never passed the answer back"
+        answer = decode(gateway.recv())
+        assert isinstance(answer, TokenChunk) and answer.token_ids == [7]
+        assert links.dropped == [0, 0]
+    finally:
+        gateway.close(0)
+        links.close()
+        group.stop()  # both routers
+
+
+def test_a_hello_lacking_a_router_is_answered_with_every_router():
+    """The race the push cannot cover: a replica started with the old list says hello after the group changed."""
+    from exaserve_hpc.protocol import Routers
+    d = Dispatcher(RoundRobin(), DispatchSettings(), {"m"})
+    assert d.set_routers(["tcp://a:1", "tcp://b:2"]) == []  # nobody registered yet: nobody to tell
+    hello = ReplicaHello(replica_id="m/r1", model="m", pid=1, max_batch_size=4, max_seq_len=64, routers=["tcp://a:1"])
+    told = [o for o in d.on_replica_message("m/r1", hello, 0.0) if isinstance(o.message, Routers)]
+    assert [(o.peer, o.message.backends) for o in told] == [(b"m/r1", ["tcp://a:1", "tcp://b:2"])]
+    hello.routers = ["tcp://a:1", "tcp://b:2"]  # a replica linked to both is not told again
+    assert not [o for o in d.on_replica_message("m/r2", hello, 0.0) if isinstance(o.message, Routers)]
+    pushed = d.set_routers(["tcp://a:1", "tcp://b:2", "tcp://c:3"])  # a third router: both replicas told
+    assert sorted(o.peer for o in pushed) == [b"m/r1", b"m/r2"]
+    assert all(o.message.backends[-1] == "tcp://c:3" for o in pushed)
