@@ -24,9 +24,12 @@ from waiting import wait_for
 pytestmark = pytest.mark.process
 
 
-def start_rank(site_file: Path, job_dir: Path, rank: int, node: str, log: Path) -> subprocess.Popen:
+def start_rank(site_file: Path, job_dir: Path, rank: int, node: str, log: Path, late_router: float = 0
+               ) -> subprocess.Popen:
     env = {**os.environ, "SLURM_JOB_ID": "t2", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
            "SLURMD_NODENAME": node}
+    if late_router:  # this rank's router registers that many seconds after its agent joined
+        env["EXASERVE_INJECT_FAILURE"] = f"router_late:{late_router:g}"
     return subprocess.Popen([sys.executable, "-m", "exaserve_hpc.launcher", "--site", str(site_file),
                              "--job-dir", str(job_dir), "--port", "0"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -97,6 +100,54 @@ def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
         done.set()
         client.join(35)
         assert codes and set(codes) == {200}, f"gateway 0 failed {sum(c != 200 for c in codes)} of {len(codes)}"
+        os.kill(ranks[0].pid, signal.SIGUSR1)
+        assert ranks[0].wait(timeout=60) == 0, output()
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGKILL)
+
+
+def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_started_before_it(tmp_path):
+    """Rank 1's router registers 20 s after its agent joined (EXASERVE_INJECT_FAILURE=router_late:20), so
+    both replicas were started knowing router 0 alone. When router 1 registers, router 0 names it to them
+    (Routers), they link to it, and gateway 1 serves. Before, router 1 served with 0 replicas for good."""
+    site = {"site": "late-router-launch", "cluster": {"nodes": 2, "nodelist": "nodea,nodeb"},
+            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
+            "router": {"count": 2, "replica_heartbeat": "500ms"},
+            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
+                                                               "l2_path": str(tmp_path / "shm")},
+            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
+                        "max_seq_len": 4096}]}
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site))
+    job_dir = tmp_path / "job"
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]),
+             start_rank(site_file, job_dir, 1, "nodeb", logs[1], late_router=20)]
+    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+
+    def gateways() -> list[str]:
+        try:
+            return json.loads((job_dir / "serve.json").read_text()).get("gateways", [])
+        except (OSError, ValueError):
+            return []
+
+    try:
+        assert wait_for(lambda: gateways() or ranks[0].poll() is not None, 60, "gateway 0 listed"), output()
+        url0 = gateways()[0]
+        serving = lambda: sorted(r["node"] for r in status(url0)["replicas"] if r["state"] == "serving")  # noqa: E731
+        wait_for(lambda: serving() == ["nodea", "nodeb"], 60, "both replicas serving, router 1 not registered")
+        assert not (job_dir / "routers" / "rank-1.json").exists(), output()
+        assert len(status(url0)["router"]["routers"]) == 1
+        assert wait_for(lambda: len(gateways()) == 2 or ranks[1].poll() is not None, 60,
+                        "gateway 1 listed"), output()
+        url1 = gateways()[1]
+        assert wait_for(lambda: [(r["state"], r["replicas"]) for r in status(url0)["router"]["routers"]]
+                        == [("serving", 2), ("serving", 2)], 30, "router 1 seeing both replicas"), output()
+        with httpx.Client(timeout=30) as http:
+            assert [complete(http, url1, f"late {i}") for i in range(5)] == [200] * 5
+        wait_for(lambda: status(url0)["router"]["routers"][1]["accepted"] >= 5, 10, "router 1's report of them")
         os.kill(ranks[0].pid, signal.SIGUSR1)
         assert ranks[0].wait(timeout=60) == 0, output()
     finally:

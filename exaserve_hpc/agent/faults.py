@@ -4,7 +4,9 @@ Steps the agent checks: ``reserving``, ``l3_read`` (an I/O error while copying
 L3 -> L2) and ``load_timeout[:N]`` (the first N L3 -> L2 attempts hang until
 cancelled; no N: every attempt). Steps the replica process checks:
 ``loading``, ``initializing``, ``warming``, ``registering``, ``serving``,
-``draining``. Unset (the normal case), every check is a no-op.
+``draining``. A router rank checks ``router_late:S`` (it registers its router S seconds after its
+agent starts, not before: a router that comes after placement). Unset (the normal case), every check
+is a no-op.
 """
 
 from __future__ import annotations
@@ -40,3 +42,9 @@ def stalls(attempt: int) -> bool:
         return False
     limit = steps["load_timeout"]
     return not limit or attempt <= int(limit)
+
+
+def delay(step: str) -> float:
+    """Seconds the environment asks ``step`` to be late by (``step:S``); 0.0 when it does not."""
+    arg = _steps().get(step)
+    return float(arg or 0.0) if arg is not None else 0.0

@@ -177,6 +177,7 @@ class Candidate:
         if self.rank_router is None and self.site.router.count > 1 and self.rank.rank < self.site.router.count:
             self.rank_router = RankRouter(self.site, self.rank, self.jobdir, self.args, keys,
                                           lambda: current_controller(self.jobdir, self.rank))
+            self.rank_router.register()
 
     def _on_stop_signal(self, sig, frame) -> None:
         """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
