@@ -4,9 +4,10 @@ Each refresh reads the gateway's /v1/exaserve/status (the same JSON `exaserve st
 alerts panel evaluates the alert rules' conditions (deploy/prometheus/alerts.yml) on that one reading,
 here and now: without Prometheus there is no history, so a rule's `for:` duration is not applied (a
 queue above 20 shows at once, not after 2 minutes) and rules over rates or windows become their
-instantaneous counterparts (restarts so far, not in 15 minutes). The checkpoint, checksum and quota
-rules need counters the status does not carry; the panel names the rules it does not check. For the
-real thing, point Prometheus at /metrics with those rules.
+instantaneous counterparts (restarts so far, not in 15 minutes). The checkpoint, checksum, quota and
+etcd-error rules need counters the status does not carry, and one reading sees one controller candidate
+(the leader count fires only when the one answering holds no valid lease); the panel names the rules
+it does not check. For the real thing, point Prometheus at /metrics with those rules.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from rich.text import Text
 QUEUE_DEPTH_LIMIT = 20       # HighReplicaQueueDepth
 HIT_RATE_FLOOR = 0.5         # LowKVCacheHitRate (fleet-wide here: status carries the router's totals)
 FLAPPING_RESTARTS = 3        # ReplicaFlapping
-NOT_CHECKED = ("WeightChecksumFailure", "QuotaExhausted", "ControllerCheckpointFailing")
+# Rules this panel evaluates, and those it cannot (they need counters or every candidate's metrics, which
+# one status reading does not carry): together every rule of deploy/prometheus/alerts.yml (tested).
+CHECKED = ("NodeLost", "HighReplicaQueueDepth", "ReplicaFlapping", "ReplicaNotReporting", "NoReplicaServingModel",
+           "LowKVCacheHitRate", "ControllerLeaderCount")
+NOT_CHECKED = ("WeightChecksumFailure", "QuotaExhausted", "ControllerCheckpointFailing", "ControllerCheckpointErrors",
+               "ControllerEtcdErrors")
 MAX_REPLICA_ROWS = 20        # the busiest replicas; at 3,072 the rest are counted, not listed
 
 
@@ -44,6 +50,12 @@ def local_alerts(status: dict) -> list[tuple[str, str]]:
     for m in status.get("models", []):
         if m.get("current", 0) == 0 and m.get("min_replicas", 0) > 0:
             alerts.append(("NoReplicaServingModel", f"{m['model']}: none of its {m.get('target', 0)} replicas serves"))
+    ha = status.get("ha")
+    if ha and not ha.get("acting", True):
+        # One reading sees one candidate: the controller answering holds no valid lease (its etcd calls fail,
+        # or it is being deposed), so no candidate may be leading. Prometheus counts every candidate.
+        alerts.append(("ControllerLeaderCount", f"the controller answering ({ha.get('leader')} on {ha.get('node')}) "
+                                                "is not acting as leader: its lease is not valid"))
     router = status.get("router", {})
     hits, queries = router.get("prefix_hit_tokens", 0), router.get("prefix_query_tokens", 0)
     if queries > 0 and hits / queries < HIT_RATE_FLOOR:

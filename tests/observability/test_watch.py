@@ -53,6 +53,23 @@ def test_each_condition_fires_the_rule_it_stands_for():
     assert [n for n, _ in local_alerts(silent)] == ["ReplicaNotReporting"]
 
 
+def test_an_elected_controller_not_acting_as_leader_fires_the_leader_count_rule():
+    led = status()
+    led["ha"] = {"leader": "rank-0", "node": "n1", "acting": True}
+    assert local_alerts(led) == []
+    led["ha"]["acting"] = False
+    assert [n for n, _ in local_alerts(led)] == ["ControllerLeaderCount"]
+
+
+def test_every_alert_rule_is_either_evaluated_here_or_named_as_not_checked():
+    import yaml
+
+    from exaserve_hpc.observability.watch import CHECKED, NOT_CHECKED
+    rules = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml").read_text())
+    names = {r["alert"] for group in rules["groups"] for r in group["rules"]}
+    assert sorted(CHECKED + NOT_CHECKED) == sorted(names)
+
+
 def test_the_live_view_refreshes_nodes_replicas_load_and_alerts():
     frames = iter([status(completed=100), status(completed=160, lost=True, queue=25)])
     buffer = io.StringIO()
