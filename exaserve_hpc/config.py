@@ -265,6 +265,9 @@ class RouterConfig(_Section):
     block_size: int = Field(16, ge=1)  # tokens per prefix block; in precise mode the engine's block size
     prefix_mode: Literal["approximate", "precise"] = "approximate"  # precise: fed by the replicas' KV events
     index_blocks: int = Field(1_000_000, ge=1024)  # block hashes the prefix index keeps (memory bound)
+    # prefix_affinity's bounded loads (router/affinity.py): no replica takes a request that would put its
+    # requests before their first token above max(1, this x the mean of its model's replicas); 0: no cap
+    max_load_factor: float = 0.0
     max_attempts: int = Field(3, ge=1)
     request_timeout: PositiveDuration = 300.0
     first_token_timeout: PositiveDuration = 60.0
@@ -280,6 +283,13 @@ class RouterConfig(_Section):
     # Routers sharing the fleet (router/router_group.py), each with its own gateway: under `exaserve launch`
     # router k on rank k (count <= the job's nodes); under `exaserve serve` all of them in one process
     count: int = Field(1, ge=1, le=64)
+
+    @field_validator("max_load_factor")
+    @classmethod
+    def _no_cap_or_at_least_one(cls, value: float) -> float:
+        if value != 0 and value < 1:  # below 1 some replica is always over it: not a cap but a refusal
+            raise ValueError("0 (no cap) or a factor of at least 1")
+        return value
 
     def bind_host(self, across_nodes: bool) -> str:
         if self.host:

@@ -82,8 +82,10 @@ def route(policy, pool, exclude, key):
     k.decode_share, k.queue_tokens = s.decode_share, s.queue_tokens
     k.latency_cap, k.kv_weight = w.latency_cap, w.kv_weight
     cdef Py_ssize_t min_match = s.min_match_blocks, depth, deepest = 0, best_depth = 0, size
-    cdef double prompt, mean, c_cost, best_cost = 0.0
-    cdef bint have_best = False
+    cdef Py_ssize_t load, in_depth = 0, low_depth = 0, low_load = 0
+    cdef double prompt, mean, c_cost, best_cost = 0.0, bound = 0.0, factor = s.max_load_factor
+    cdef double in_cost = 0.0, low_cost = 0.0
+    cdef bint have_best = False, have_in = False, have_low = False
     cdef list matches = [], drawn, members = pool.members
     cdef dict pos = pool._pos  # the pool's own id -> member index: `in` and lookups without its Python methods
     index = policy.index
@@ -100,7 +102,12 @@ def route(policy, pool, exclude, key):
     prompt = key.prompt_tokens if key is not None else 0
     size = key.block_size if key is not None else s.block_size
     mean = pool.latency_sum_ms / len(members) if members else 0.0
-    best, best_rid = None, ""
+    if factor:  # affinity._load_bound: members is not empty here (a match or a draw came from it)
+        bound = factor * <double>(<Py_ssize_t>pool.prefilling_sum + 1) / <double>len(members)
+        if not bound > 1.0:
+            bound = 1.0
+    # Under a bound, besides the cheapest: the cheapest within it (in_*) and the least loaded (low_*).
+    best, best_rid, in_rid, low_rid = None, "", "", ""
     matched = ()
     if matches:
         matched = set()
@@ -113,6 +120,14 @@ def route(policy, pool, exclude, key):
             c_cost = cost(&k, c, prompt - depth * size if prompt > depth * size else 0, mean, prompt)
             if not have_best or better(c_cost, depth, r, best_cost, best_depth, best_rid):
                 best, best_rid, best_cost, best_depth, have_best = c, r, c_cost, depth, True
+            if bound:
+                load = c.prefilling
+                if <double>(load + 1) <= bound:
+                    if not have_in or better(c_cost, depth, r, in_cost, in_depth, in_rid):
+                        in_rid, in_cost, in_depth, have_in = r, c_cost, depth, True
+                if not have_low or load < low_load or (load == low_load and better(c_cost, depth, r, low_cost,
+                                                                                   low_depth, low_rid)):
+                    low_rid, low_cost, low_depth, low_load, have_low = r, c_cost, depth, load, True
     for c in drawn:
         r = c.replica_id
         if r in matched:
@@ -125,12 +140,30 @@ def route(policy, pool, exclude, key):
         c_cost = cost(&k, c, prompt - depth * size if depth else prompt, mean, prompt)
         if not have_best or better(c_cost, depth, r, best_cost, best_depth, best_rid):
             best, best_rid, best_cost, best_depth, have_best = c, r, c_cost, depth, True
+        if bound:
+            load = c.prefilling
+            if <double>(load + 1) <= bound:
+                if not have_in or better(c_cost, depth, r, in_cost, in_depth, in_rid):
+                    in_rid, in_cost, in_depth, have_in = r, c_cost, depth, True
+            if not have_low or load < low_load or (load == low_load and better(c_cost, depth, r, low_cost,
+                                                                               low_depth, low_rid)):
+                low_rid, low_cost, low_depth, low_load, have_low = r, c_cost, depth, load, True
     reason = "affinity" if best_depth else ("spill" if matches else "balance")
-    if reason == "balance" and len(drawn) > 1 and rng.random() < w.explore:
-        # The probe share: the costliest drawn (ties: the greatest id; the first such, as max() keeps).
+    if bound and <double>(<Py_ssize_t>best.prefilling + 1) > bound:
+        # The cheapest would go past the bound: the cheapest within it, else the least loaded (never none).
+        if have_in:
+            best_rid, best_depth = in_rid, in_depth
+        else:
+            best_rid, best_depth = low_rid, low_depth
+        reason = "bounded"
+    elif reason == "balance" and len(drawn) > 1 and rng.random() < w.explore:
+        # The probe share: the costliest drawn within the bound (ties: the greatest id; the first such, as
+        # max() keeps).
         have_best = False
         for c in drawn:
             r = c.replica_id
+            if bound and <double>(<Py_ssize_t>c.prefilling + 1) > bound:
+                continue
             c_cost = cost(&k, c, prompt, mean, prompt)
             if not have_best or c_cost > best_cost or (c_cost == best_cost and r > best_rid):
                 best, best_rid, best_cost, have_best = c, r, c_cost, True

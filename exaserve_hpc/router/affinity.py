@@ -36,7 +36,17 @@ Branches (the `Decision.reason`, counted by the dispatcher):
   the request goes elsewhere and that replica becomes a holder too, which is
   how a very hot prefix spreads over more replicas;
 - ``balance``: nothing cached anywhere (or the match is below
-  ``min_match_blocks``): plain load-weighted choice.
+  ``min_match_blocks``): plain load-weighted choice;
+- ``bounded``: the cheapest candidate would go past the load bound
+  (``max_load_factor``, "consistent hashing with bounded loads", Mirrokni,
+  Thorup and Zadimoghaddam 2016, as HAProxy's hash-balance-factor): a
+  replica whose requests before their first token (`ReplicaLoad.prefilling`)
+  would exceed max(1, factor x the pool's mean of them, this request
+  included) is passed over for the cheapest candidate within the bound, or
+  the least loaded when none is. The cost model prices a queue, but a hot
+  prefix still piles onto its holders when every alternative is costlier by
+  its uncached tokens; the bound caps that pile whatever the costs say. The
+  mean is the pool's running sum over its size: O(1), no scan.
 
 Where the index comes from (``router.prefix_mode``): ``approximate``, the
 router's own decisions (`commit`); ``precise``, the engines' KV events only
@@ -78,6 +88,9 @@ class AffinitySettings:
     prefill_chunk_tokens: int = 512  # the engines' chunked-prefill size (site default): see the module docstring
     pair_tokens: float = 0.0  # cost of one causal (query, key) attention pair, in prefill tokens
     matches: int = 4  # cached-prefix candidates considered per request
+    # Bounded loads: a replica whose requests before their first token would exceed max(1, this x the pool's
+    # mean of them, this request included) is not chosen while a candidate within it is; 0: no cap
+    max_load_factor: float = 0.0
     # 4 drawn candidates besides the holders: in bench_router_trace (h200, 4,000 requests) 2 cost 3-6% mean TTFT,
     # 16 (a full scan there) gained only ~1%.
     weights: WeightSettings = field(default_factory=lambda: WeightSettings(samples=4))
@@ -86,7 +99,7 @@ class AffinitySettings:
     def from_site(cls, router, prefill_chunk_tokens: int = 512) -> "AffinitySettings":
         """From a site config's router section (config.RouterConfig) and its batching.prefill_chunk_tokens."""
         return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks,
-                   prefill_chunk_tokens=prefill_chunk_tokens)
+                   prefill_chunk_tokens=prefill_chunk_tokens, max_load_factor=router.max_load_factor)
 
     @classmethod
     def from_timings(cls, timings, step_tokens: int, mean_context_tokens: float, **overrides) -> "AffinitySettings":
@@ -109,6 +122,9 @@ class AffinitySettings:
     def __post_init__(self) -> None:
         if self.mode not in (APPROXIMATE, PRECISE):
             raise ValueError(f"prefix affinity mode {self.mode!r} is unknown; choose {APPROXIMATE} or {PRECISE}")
+        if self.max_load_factor != 0 and not self.max_load_factor >= 1:  # `not >=`: NaN refused too
+            raise ValueError(f"max_load_factor {self.max_load_factor!r} is out of range; choose 0 (no cap) "
+                             f"or a factor of at least 1")
 
 
 def prompt_hasher(mode: str, block_size: int, max_blocks: int = 1024) -> FastBlockHasher | EngineBlockHasher:
@@ -227,6 +243,8 @@ class PrefixAffinity(RoutingPolicy):
         size = key.block_size if key is not None else s.block_size
         mean = mean_latency_ms(candidates)
         cost = self.cost
+        bound = self._load_bound(candidates, pool) if s.max_load_factor else 0.0
+        scored: list = []  # (rank, candidate, depth) of each candidate, kept only under a load bound
         best, best_depth, best_rank = None, 0, None
         deepest, matched = 0, ()
         if matches:
@@ -238,6 +256,8 @@ class PrefixAffinity(RoutingPolicy):
                     deepest = depth
                 c = lookup(r)
                 rank = (cost(c, max(0, prompt - depth * size), mean, prompt), -depth, r)
+                if bound:
+                    scored.append((rank, c, depth))
                 if best_rank is None or rank < best_rank:
                     best, best_depth, best_rank = c, depth, rank
         held, hashes = self._held, key.block_hashes if deepest else ()
@@ -248,12 +268,31 @@ class PrefixAffinity(RoutingPolicy):
             # A drawn replica may hold the prefix too (matches are only its newest holders).
             depth = held(r, hashes, deepest) if deepest else 0
             rank = (cost(c, prompt - depth * size if depth else prompt, mean, prompt), -depth, r)
+            if bound:
+                scored.append((rank, c, depth))
             if best_rank is None or rank < best_rank:
                 best, best_depth, best_rank = c, depth, rank
         reason = "affinity" if best_depth else ("spill" if matches else "balance")
-        if reason == "balance" and len(drawn) > 1 and self.balance.rng.random() < s.weights.explore:
-            best = max(drawn, key=lambda c: (cost(c, prompt, mean, prompt), c.replica_id))  # the probe share
+        if bound and best.prefilling + 1 > bound:
+            # The cheapest would go past the bound: the cheapest within it, else the least loaded (never none).
+            within = [x for x in scored if x[1].prefilling + 1 <= bound]
+            _, best, best_depth = min(within) if within else min(scored, key=lambda x: (x[1].prefilling, x[0]))
+            reason = "bounded"
+        elif reason == "balance" and len(drawn) > 1 and self.balance.rng.random() < s.weights.explore:
+            best = max((c for c in drawn if not bound or c.prefilling + 1 <= bound),  # the probe share
+                       key=lambda c: (cost(c, prompt, mean, prompt), c.replica_id))
         return Decision(best.replica_id, best_depth, reason)
+
+    def _load_bound(self, candidates: Sequence[ReplicaLoad], pool: Optional[ReplicaPool]) -> float:
+        """The most requests before their first token a replica may hold once this one is sent there:
+        max(1, max_load_factor x the mean over the pool, this request counted). O(1) for a pool (its
+        running sum); a plain list (tests) is summed."""
+        if pool is not None:
+            total, n = pool.prefilling_sum, len(pool.members)
+        else:
+            total, n = sum(c.prefilling for c in candidates), len(candidates)
+        bound = self.settings.max_load_factor * (total + 1) / n
+        return bound if bound > 1.0 else 1.0
 
     def commit(self, decision: Decision, key: Optional[RoutingKey]) -> None:
         """Approximate mode: the request went where `route` said, so that replica now (probably)

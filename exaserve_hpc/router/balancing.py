@@ -38,6 +38,9 @@ class ReplicaLoad:
     latency_ewma_ms: float = 0.0
     prefill_tokens: int = 0  # router-side estimate: uncached prompt tokens sent and not yet past first token
     decode_tokens: int = 0  # router-side: max_tokens of the requests sent and not yet finished
+    # router-side: requests sent and not yet at their first token (waiting there or in prefill); change it
+    # with `shift_prefilling`, which keeps the pools' sums (the bounded-load cap's mean) in step
+    prefilling: int = 0
 
     @property
     def load(self) -> float:
@@ -55,12 +58,14 @@ class RoutingKey:
 
 
 class ReplicaPool:
-    """The replicas of one model: random access, O(1) add/remove, running latency sum."""
+    """The replicas of one model: random access, O(1) add/remove, running sums of latency and of
+    requests before their first token (so a policy reads the pool's means without a scan)."""
 
     def __init__(self) -> None:
         self._items: list[ReplicaLoad] = []
         self._pos: dict[str, int] = {}
         self.latency_sum_ms = 0.0
+        self.prefilling_sum = 0  # of the members' `prefilling`: kept by add/remove and `shift_prefilling`
         # The same list object for the pool's lifetime (removal swaps in place), so a policy may
         # index it directly: `pool[i]` through __getitem__ costs a Python call per draw.
         self.members = self._items
@@ -71,6 +76,7 @@ class ReplicaPool:
         self._pos[load.replica_id] = len(self._items)
         self._items.append(load)
         self.latency_sum_ms += load.latency_ewma_ms
+        self.prefilling_sum += load.prefilling
 
     def remove(self, replica_id: str) -> None:
         index = self._pos.pop(replica_id, None)
@@ -78,6 +84,7 @@ class ReplicaPool:
             return
         gone, last = self._items[index], self._items.pop()
         self.latency_sum_ms -= gone.latency_ewma_ms
+        self.prefilling_sum -= gone.prefilling
         if last is not gone:
             self._items[index] = last
             self._pos[last.replica_id] = index
@@ -90,6 +97,10 @@ class ReplicaPool:
     def get(self, replica_id: str) -> Optional[ReplicaLoad]:
         index = self._pos.get(replica_id)
         return None if index is None else self._items[index]
+
+    @property
+    def mean_prefilling(self) -> float:
+        return self.prefilling_sum / len(self._items) if self._items else 0.0
 
     @property
     def mean_latency_ms(self) -> float:
@@ -108,6 +119,20 @@ class ReplicaPool:
         return replica_id in self._pos
 
 
+def shift_prefilling(load: ReplicaLoad, pools: Sequence[ReplicaPool], delta: int) -> None:
+    """Change a replica's count of requests before their first token by ``delta`` (never below 0), and
+    the sum of every pool it is in (``pools``: all of them, or the sums drift) by as much. O(1): the
+    dispatcher calls it when a request is sent, reaches its first token, or ends before it."""
+    value = load.prefilling + delta
+    if value < 0:  # a request of the replica's previous life (it re-registered under its id) ending
+        value = 0
+    delta = value - load.prefilling
+    if delta:
+        load.prefilling = value
+        for pool in pools:
+            pool.prefilling_sum += delta
+
+
 def mean_latency_ms(candidates: Sequence[ReplicaLoad]) -> float:
     if isinstance(candidates, ReplicaPool):
         return candidates.mean_latency_ms
@@ -120,7 +145,7 @@ class Decision:
 
     replica_id: Optional[str]
     matched_blocks: int = 0  # cached blocks the chosen replica is believed to hold
-    reason: str = "balance"  # the policy's branch: affinity | spill | balance | none
+    reason: str = "balance"  # the policy's branch: affinity | spill | balance | bounded | none
 
 
 class RoutingPolicy(ABC):

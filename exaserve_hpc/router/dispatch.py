@@ -34,7 +34,7 @@ from ..protocol import (
     TokenChunk,
     unpack_hashes, unpack_request,
 )
-from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
+from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, shift_prefilling
 from .breaker import BreakerState, CircuitBreaker
 from .canary import RolloutTable
 from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
@@ -145,8 +145,10 @@ class Dispatcher:
                              last_seen=now, node=hello.node, pid=hello.pid, version=hello.version,
                              breaker=CircuitBreaker(self.settings.breaker))
         self.replicas[replica_id] = entry
-        self.pools.setdefault(hello.model, ReplicaPool()).add(entry.load)
-        self.version_pools.setdefault((hello.model, hello.version), ReplicaPool()).add(entry.load)
+        entry.pools = [self.pools.setdefault(hello.model, ReplicaPool()),
+                       self.version_pools.setdefault((hello.model, hello.version), ReplicaPool())]
+        for pool in entry.pools:
+            pool.add(entry.load)
         log.info("replica %s registered (model %s%s, node %s)", replica_id, hello.model,
                  f" version {hello.version}" if hello.version else "", hello.node)
         out = self._drain_pending(now)
@@ -338,6 +340,7 @@ class Dispatcher:
         entry.attempts += 1
         entry.tried.add(replica_id)
         load.outstanding += 1
+        shift_prefilling(load, replica.pools, 1)  # until its first token (the bounded-load cap's count)
         # Comparisons rather than max() here and in _release: this runs for every request.
         prefill = entry.prompt_len + sent - (matched * key.block_size if key is not None else 0)
         entry.prefill_estimate = prefill = prefill if prefill > 0 else 0
@@ -403,6 +406,7 @@ class Dispatcher:
         left = replica.load.prefill_tokens - entry.prefill_estimate
         replica.load.prefill_tokens = left if left > 0 else 0
         entry.prefill_estimate = 0
+        shift_prefilling(replica.load, replica.pools, -1)
         if replica.breaker.state is not BreakerState.CLOSED or replica.breaker.consecutive_failures:
             replica.breaker.on_success()
             self._refresh(entry.replica_id, now)
@@ -472,6 +476,8 @@ class Dispatcher:
             load.prefill_tokens = left if left > 0 else 0
             left = load.decode_tokens - entry.decode_estimate
             load.decode_tokens = left if left > 0 else 0
+            if not entry.first_token_at:  # ended before its first token (a first token already counted it off)
+                shift_prefilling(load, replica.pools, -1)
             if replica.breaker.probe_in_flight and not entry.first_token_at:
                 replica.breaker.probe_in_flight = False  # the probe ended without a verdict: allow another
                 if not replica.draining:

@@ -11,7 +11,7 @@ from typing import Iterator, Optional, Sequence, Union
 import msgspec
 
 from ..protocol import GenerateRequest, Message, unpack_ints
-from .balancing import ReplicaLoad, RoutingKey
+from .balancing import ReplicaLoad, ReplicaPool, RoutingKey
 from .breaker import BreakerSettings, CircuitBreaker
 
 GATEWAY, REPLICA = "gateway", "replica"
@@ -124,6 +124,7 @@ class ReplicaEntry:
     draining: bool = False
     version: str = ""
     breaker: Optional[CircuitBreaker] = None
+    pools: list[ReplicaPool] = field(default_factory=list)  # the pools its load is in (its model's, its version's)
     # As the replica's engine last reported them (totals since it started): how much of the prompts
     # it was sent it found in its prefix cache, and how many free KV blocks still hold a prefix.
     prefix_hit_tokens: int = 0

@@ -149,9 +149,10 @@ def test_the_router_section_reaches_the_policy_and_the_dispatcher():
     site = parse_site({"site": "t", "models": [{"model_name": "m"}],
                        "router": {"policy": "prefix_affinity", "block_size": 32, "prefix_mode": "precise",
                                   "index_blocks": 4096, "stall_timeout": "7s", "breaker_failures": 5,
-                                  "breaker_cooloff": "3s", "max_attempts": 4}})
+                                  "breaker_cooloff": "3s", "max_attempts": 4, "max_load_factor": 2.5}})
     policy = router_policy(site)
     assert policy.name == "prefix_affinity" and policy.settings.mode == "precise"
+    assert policy.settings.max_load_factor == 2.5
     assert policy.settings.block_size == 32 and policy.index.max_blocks == 4096
     assert policy.hasher.scheme.startswith("blake2b8-32x")
     assert policy.settings.prefill_chunk_tokens == site.batching.prefill_chunk_tokens

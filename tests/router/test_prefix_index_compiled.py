@@ -13,7 +13,7 @@ import pytest
 from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from exaserve_hpc.router import prefix_index
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity, compiled_route
-from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings
+from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings, shift_prefilling
 from exaserve_hpc.router.prefix_index import CompiledPrefixIndex, PrefixIndex, make_index
 
 needs_compiled = pytest.mark.skipif(CompiledPrefixIndex is None, reason=f"extension not built: "
@@ -141,7 +141,7 @@ def _pool(rng: random.Random, n: int) -> ReplicaPool:
     for i in range(n):
         load = ReplicaLoad(f"r{i:03d}", "m", outstanding=rng.randrange(0, 12), max_batch_size=rng.choice([4, 8, 64]),
                            queue_depth=rng.randrange(0, 12), kv_used=rng.choice([0.0, rng.random()]),
-                           prefill_tokens=rng.choice([0, rng.randrange(0, 20_000)]))
+                           prefill_tokens=rng.choice([0, rng.randrange(0, 20_000)]), prefilling=rng.randrange(0, 6))
         pool.add(load)
         pool.set_latency(load, rng.choice([0.0, rng.uniform(5, 50)]))
     return pool
@@ -152,6 +152,8 @@ def _pool(rng: random.Random, n: int) -> ReplicaPool:
     {},  # the served defaults
     {"pair_tokens": 0.002, "min_match_blocks": 3, "base_tokens": 0},  # attention term, a minimum match
     {"matches": 1, "weights": WeightSettings(samples=2, explore=0.5, latency_cap=2.0)},  # the probe share
+    {"max_load_factor": 1.0},  # a tight load bound: often no candidate within it (the least loaded)
+    {"max_load_factor": 1.5, "weights": WeightSettings(samples=3, explore=0.5)},  # the probe share within it
 ])
 def test_compiled_route_makes_the_references_decisions(variant):
     rng = random.Random(len(variant))
@@ -172,8 +174,11 @@ def test_compiled_route_makes_the_references_decisions(variant):
             p.commit(got[0], key)
         load = rng.choice(pool.members)  # loads move between decisions
         load.outstanding, load.prefill_tokens = rng.randrange(0, 12), rng.randrange(0, 5000)
+        shift_prefilling(load, [pool], rng.randrange(-3, 4))
         if rng.random() < 0.01:
             gone = rng.choice(pool.members).replica_id
             for p in (fast, ref):
                 p.forget(gone)
     assert {"affinity", "balance", "none"} <= reasons
+    assert ("bounded" in reasons) == bool(settings.max_load_factor)
+    assert pool.prefilling_sum == sum(c.prefilling for c in pool)  # the running sum the bound reads
