@@ -1,7 +1,7 @@
 """Replay a conversation trace against simulated replicas with several routing policies.
 
     python benchmarks/bench_router_trace.py [--gpu h200] [--replicas 16] [--loads 0.70 0.85 0.95]
-        [--limit N] [--trace FILE] [--policies ...]
+        [--limit N] [--trace FILE] [--policies ...] [--capacity R] [--max-load-factors F ...]
 
 Each replica is a timing-model engine (`engine/timing.py`: the reference
 engine's scheduler and block manager, prefix cache included, with step time
@@ -24,16 +24,21 @@ Load: the fleet's capacity is measured first, on the same requests: the
 highest arrival rate (the trace's times scaled) at which token-aware
 least-load keeps up, i.e. the fleet's backlog of requests before their first
 token does not grow while they arrive (`measure_capacity`: a bracket, then a
-bisection to 1%; every probe is printed). Each load level then replays the
+bisection to 1%; every probe is printed; ``--capacity R`` gives it instead,
+e.g. 19.06 for ``--limit 3000`` on 16 H200s, and skips the minutes that takes). Each load level then replays the
 trace scaled to that fraction of the capacity. Reported per policy: block
 hit rate, mean and p99 TTFT, utilisation (GPU-busy time: a replica decoding
 a few sequences counts as busy), preemptions, replica queues (requests
 waiting or in prefill: not yet at their first token) sampled at every stats
 report while the trace arrives (the fleet's mean, the longest queue's mean,
 the peak with the fleet's mean at that moment, and "hot": the replica whose
-queue was longest on average against the fleet's average), skipped requests. Also a lower bound no router can
+queue was longest on average against the fleet's average; ">3x": the share of
+reports at which some replica's queue was above 3x the fleet's mean and above
+1), skipped requests. Also a lower bound no router can
 beat (`ttft_bound`: every request alone on an idle replica that holds every
-block seen before).
+block seen before). ``--max-load-factors F ...`` runs prefix affinity once per
+bounded-load factor (``router.max_load_factor``, 0: no cap), each shown as
+prefix_affinity@F, so the cap's cost and its queues sit side by side.
 """
 
 from __future__ import annotations
@@ -110,11 +115,13 @@ def usable(rows: list[Row], gpu: str, max_seq: int) -> tuple[list[Row], int]:
     return kept, len(rows) - len(kept)
 
 
-def make_dispatcher(policy_name: str, seed: int, gpu: str, rows: list[Row]) -> Dispatcher:
+def make_dispatcher(policy_name: str, seed: int, gpu: str, rows: list[Row],
+                    max_load_factor: float | None = None) -> Dispatcher:
     if policy_name == "prefix_affinity":
         context = statistics.fmean(r.input_length + r.output_length / 2 for r in rows)
+        bounded = {} if max_load_factor is None else {"max_load_factor": max_load_factor}  # None: the default
         settings = AffinitySettings.from_timings(timings_for(gpu), STEP_TOKENS, context, block_size=BLOCK,
-                                                 max_prompt_blocks=512)
+                                                 max_prompt_blocks=512, **bounded)
         policy = make_policy(policy_name, settings=settings, seed=seed)
     elif policy_name == "power_of_two":
         policy = make_policy(policy_name, seed=seed)
@@ -125,14 +132,14 @@ def make_dispatcher(policy_name: str, seed: int, gpu: str, rows: list[Row]) -> D
 
 
 def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed: int = 0,
-           gpu: str = "h100-sxm") -> dict:
+           gpu: str = "h100-sxm", max_load_factor: float | None = None) -> dict:
     clock = Clock()
     engines = {f"r{i:02d}": TimingEngine(gpu_kind=gpu, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
                                          max_wait_ms=0, block_size=BLOCK, num_kv_blocks=kv_blocks_for(gpu),
                                          vocab_size=2 ** 31 - 1, clock=clock, prefill_chunk_tokens=STEP_TOKENS,
                                          max_num_batched_tokens=STEP_TOKENS, prefill_batch_size=MAX_BATCH)
                for i in range(replicas)}
-    d = make_dispatcher(policy_name, seed, gpu, rows)
+    d = make_dispatcher(policy_name, seed, gpu, rows, max_load_factor)
     for rid in engines:
         d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=0, max_batch_size=MAX_BATCH,
                                                max_seq_len=MAX_SEQ), 0.0)
@@ -208,6 +215,9 @@ def replay(rows: list[Row], policy_name: str, replicas: int, scale: float, seed:
         "queue_max_mean": statistics.fmean(q[1] for q in queues) if queues else 0.0,
         # a hot spot: the replica whose queue was longest on average, against the fleet's average
         "queue_hot": max(queued.values()) / max(1e-9, statistics.fmean(queued.values())),
+        # reports at which some replica's queue was above 3x the fleet's mean (and above 1: one request
+        # waiting where the fleet holds a fraction of one a replica is no hot spot), the issue's hot-spot test
+        "queue_over_3x": sum(q[1] > 3 * q[0] and q[1] > 1 for q in queues) / len(queues) if queues else 0.0,
         "utilisation": busy / (replicas * makespan),
         "preemptions": sum(e.scheduler.preemptions for e in engines.values()),
         "makespan": makespan, "busy_seconds": busy,
@@ -345,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h200", choices=sorted(GPU_MEMORY_GB),
                         help="timing constants and KV pool size of each replica")
     parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--max-load-factors", type=float, nargs="+", default=None, metavar="F",
+                        help="run prefix_affinity once per bounded-load factor F (router.max_load_factor; 0: no "
+                             "cap), each shown as prefix_affinity@F (default: once, at the setting's default)")
     args = parser.parse_args(argv)
+    runs = [(name, None) for name in args.policies if name != "prefix_affinity" or not args.max_load_factors]
+    if "prefix_affinity" in args.policies and args.max_load_factors:
+        runs += [("prefix_affinity", f) for f in args.max_load_factors]
     rows, skipped = usable(load_trace(Path(args.trace), args.limit), args.gpu, args.max_seq)
     print(f"{len(rows)} requests ({skipped} skipped: longer than {args.max_seq} tokens or the KV pool), "
           f"{args.replicas} replicas ({args.gpu} timing model {timings_for(args.gpu)}), "
@@ -369,23 +385,27 @@ def main(argv: list[str] | None = None) -> int:
     for load in args.loads:
         scale = time_scale(rows, capacity, load)
         print(f"\nload {load:.0%} of capacity: {load * capacity:.1f} requests/s, time scale x{scale:.2f}", flush=True)
-        print(f"{'policy':<16} {'hit rate':>8} {'TTFT mean':>10} {'p99':>8} {'/bound':>7} {'util':>6} "
-              f"{'preempt':>7} {'queue mean':>10} {'max(avg)':>8} {'peak@mean':>10} {'hot':>5}  routing")
-        for name in args.policies:
+        print(f"{'policy':<19} {'hit rate':>8} {'TTFT mean':>10} {'p99':>8} {'/bound':>7} {'util':>6} "
+              f"{'preempt':>7} {'queue mean':>10} {'max(avg)':>8} {'peak@mean':>10} {'hot':>5} {'>3x':>6}  routing")
+        for name, factor in runs:
             started = time.perf_counter()
-            r = replay(rows, name, args.replicas, scale, gpu=args.gpu)
+            r = replay(rows, name, args.replicas, scale, gpu=args.gpu, max_load_factor=factor)
             del r["backlog"]  # the series behind measure_capacity, not a result
+            label = name if factor is None else f"{name}@{factor:g}"
+            if factor is not None:
+                r.update(policy=label, max_load_factor=factor)
             r.update(load=load, scale=scale, capacity=capacity, skipped=skipped, wall_s=time.perf_counter() - started,
                      bound_ttft_mean=bound["ttft_mean"], bound_hit_rate=bound["block_hit_rate"])
             results.append(r)
-            print(f"{name:<16} {r['block_hit_rate']:>8.1%} {r['ttft_mean']:>9.3f}s {r['ttft_p99']:>7.2f}s "
+            print(f"{label:<19} {r['block_hit_rate']:>8.1%} {r['ttft_mean']:>9.3f}s {r['ttft_p99']:>7.2f}s "
                   f"{r['ttft_mean'] / bound['ttft_mean']:>6.2f}x {r['utilisation']:>6.1%} {r['preemptions']:>7} "
-                  f"{r['queue_mean']:>10.1f} {r['queue_max_mean']:>8.1f} {r['queue_max']:>4}@{r['queue_mean_at_max']:<5.1f} {r['queue_hot']:>4.1f}x"
+                  f"{r['queue_mean']:>10.1f} {r['queue_max_mean']:>8.1f} {r['queue_max']:>4}@{r['queue_mean_at_max']:<5.1f} {r['queue_hot']:>4.1f}x {r['queue_over_3x']:>6.1%}"
                   f"  {r['routing'] or ''}  ({r['wall_s']:.0f}s)", flush=True)
         by = {r["policy"]: r for r in results if r["load"] == load}
-        if {"least_tokens", "prefix_affinity"} <= by.keys():
-            a = by["prefix_affinity"]
-            print(f"prefix_affinity TTFT: {a['ttft_mean'] / by['least_tokens']['ttft_mean']:.2f}x least_tokens, "
+        for label, a in by.items() if "least_tokens" in by else ():
+            if not label.startswith("prefix_affinity"):
+                continue
+            print(f"{label} TTFT: {a['ttft_mean'] / by['least_tokens']['ttft_mean']:.2f}x least_tokens, "
                   + (f"{a['ttft_mean'] / by['round_robin']['ttft_mean']:.2f}x round-robin, " if "round_robin" in by else "")
                   + f"{a['ttft_mean'] / bound['ttft_mean']:.2f}x the lower bound; hit rate "
                   f"{a['block_hit_rate'] / bound['block_hit_rate']:.0%} of the {bound['block_hit_rate']:.1%} "
