@@ -35,6 +35,20 @@ def start_rank(site_file: Path, job_dir: Path, rank: int, node: str, log: Path, 
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def two_router_site(tmp_path: Path, name: str) -> Path:
+    """Two nodes, router.count 2, two echo replicas kept at two."""
+    site = {"site": name, "cluster": {"nodes": 2, "nodelist": "nodea,nodeb"},
+            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
+            "router": {"count": 2, "replica_heartbeat": "500ms"},
+            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
+                                                               "l2_path": str(tmp_path / "shm")},
+            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
+                        "max_seq_len": 4096}]}
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site))
+    return site_file
+
+
 def status(url: str) -> dict:
     return httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()
 
@@ -44,15 +58,7 @@ def complete(http: httpx.Client, url: str, text: str) -> int:
 
 
 def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
-    site = {"site": "two-router-launch", "cluster": {"nodes": 2, "nodelist": "nodea,nodeb"},
-            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
-            "router": {"count": 2, "replica_heartbeat": "500ms"},
-            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
-                                                               "l2_path": str(tmp_path / "shm")},
-            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
-                        "max_seq_len": 4096}]}
-    site_file = tmp_path / "site.yaml"
-    site_file.write_text(yaml.safe_dump(site))
+    site_file = two_router_site(tmp_path, "two-router-launch")
     job_dir = tmp_path / "job"
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]), start_rank(site_file, job_dir, 1, "nodeb", logs[1])]
@@ -112,15 +118,7 @@ def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_star
     """Rank 1's router registers 20 s after its agent joined (EXASERVE_INJECT_FAILURE=router_late:20), so
     both replicas were started knowing router 0 alone. When router 1 registers, router 0 names it to them
     (Routers), they link to it, and gateway 1 serves. Before, router 1 served with 0 replicas for good."""
-    site = {"site": "late-router-launch", "cluster": {"nodes": 2, "nodelist": "nodea,nodeb"},
-            "heartbeat": {"interval": "1s"}, "scheduler": {"tick_interval": "500ms"},
-            "router": {"count": 2, "replica_heartbeat": "500ms"},
-            "run_dir": str(tmp_path / "run"), "weight_cache": {"l3_path": str(tmp_path / "models"),
-                                                               "l2_path": str(tmp_path / "shm")},
-            "models": [{"model_name": "echo", "engine": "echo", "replicas": 2, "min_replicas": 2,
-                        "max_seq_len": 4096}]}
-    site_file = tmp_path / "site.yaml"
-    site_file.write_text(yaml.safe_dump(site))
+    site_file = two_router_site(tmp_path, "late-router-launch")
     job_dir = tmp_path / "job"
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]),
