@@ -49,6 +49,14 @@ def two_router_site(tmp_path: Path, name: str) -> Path:
     return site_file
 
 
+def listed_gateways(job_dir: Path) -> list[str]:
+    """The gateways the job directory lists (serve.json), router 0's first."""
+    try:
+        return json.loads((job_dir / "serve.json").read_text()).get("gateways", [])
+    except (OSError, ValueError):
+        return []
+
+
 def status(url: str) -> dict:
     return httpx.get(f"{url}/v1/exaserve/status", timeout=10).json()
 
@@ -64,15 +72,9 @@ def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
     ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]), start_rank(site_file, job_dir, 1, "nodeb", logs[1])]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
     try:
-        def listed() -> list[str]:
-            try:
-                return json.loads((job_dir / "serve.json").read_text()).get("gateways", [])
-            except (OSError, ValueError):
-                return []
-
-        assert wait_for(lambda: len(listed()) == 2 or any(r.poll() is not None for r in ranks), 90,
-                        "both gateways listed in the job directory") and len(listed()) == 2, output()
-        url0, url1 = listed()
+        assert wait_for(lambda: len(listed_gateways(job_dir)) == 2 or any(r.poll() is not None for r in ranks), 90,
+                        "both gateways listed in the job directory") and len(listed_gateways(job_dir)) == 2, output()
+        url0, url1 = listed_gateways(job_dir)
         assert (job_dir / "routers" / "rank-1.json").exists()
         wait_for(lambda: [(r["state"], r["replicas"]) for r in status(url0)["router"]["routers"]]
                  == [("serving", 2), ("serving", 2)], 60, "both routers seeing both replicas")
@@ -125,12 +127,7 @@ def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_star
              start_rank(site_file, job_dir, 1, "nodeb", logs[1], late_router=20)]
     output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
 
-    def gateways() -> list[str]:
-        try:
-            return json.loads((job_dir / "serve.json").read_text()).get("gateways", [])
-        except (OSError, ValueError):
-            return []
-
+    gateways = lambda: listed_gateways(job_dir)  # noqa: E731
     try:
         assert wait_for(lambda: gateways() or ranks[0].poll() is not None, 60, "gateway 0 listed"), output()
         url0 = gateways()[0]
