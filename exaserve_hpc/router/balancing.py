@@ -90,9 +90,7 @@ class ReplicaPool:
             self._pos[last.replica_id] = index
 
     def set_latency(self, load: ReplicaLoad, latency_ms: float) -> None:
-        if load.replica_id in self._pos:
-            self.latency_sum_ms += latency_ms - load.latency_ewma_ms
-        load.latency_ewma_ms = latency_ms
+        set_latency(load, [self] if load.replica_id in self._pos else [], latency_ms)
 
     def get(self, replica_id: str) -> Optional[ReplicaLoad]:
         index = self._pos.get(replica_id)
@@ -131,6 +129,15 @@ def shift_prefilling(load: ReplicaLoad, pools: Sequence[ReplicaPool], delta: int
         load.prefilling = value
         for pool in pools:
             pool.prefilling_sum += delta
+
+
+def set_latency(load: ReplicaLoad, pools: Sequence[ReplicaPool], latency_ms: float) -> None:
+    """A replica's reported latency, and the sum of every pool it is in (``pools``: all of them at once: the
+    difference is taken before the load changes, so a pool updated after it would miss it)."""
+    delta = latency_ms - load.latency_ewma_ms
+    for pool in pools:
+        pool.latency_sum_ms += delta
+    load.latency_ewma_ms = latency_ms
 
 
 def mean_latency_ms(candidates: Sequence[ReplicaLoad]) -> float:

@@ -34,7 +34,7 @@ from ..protocol import (
     TokenChunk,
     unpack_hashes, unpack_request,
 )
-from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, shift_prefilling
+from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, set_latency, shift_prefilling
 from .breaker import BreakerState, CircuitBreaker
 from .canary import RolloutTable
 from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
@@ -118,8 +118,7 @@ class Dispatcher:
             entry.running, entry.requests_finished = message.running, message.requests_finished
             entry.tokens_generated = message.tokens_generated
             entry.latency_ms = (message.ttft_ms_p50, message.ttft_ms_p99, message.tpot_ms_p50, message.tpot_ms_p99)
-            for pool in self._pools_of(entry):
-                pool.set_latency(entry.load, message.latency_ewma_ms)
+            set_latency(entry.load, entry.pools, message.latency_ewma_ms)  # the model's pool and its version's
             return []
         if isinstance(message, TokenChunk):
             return self._on_chunk(replica_id, message, now)

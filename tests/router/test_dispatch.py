@@ -176,3 +176,17 @@ def test_least_load_and_round_robin_policies():
     rr = RoundRobin()
     assert [rr.choose(loads) for _ in range(4)] == ["a", "b", "c", "a"]
     assert LeastLoad().choose([]) is None
+
+
+def test_a_replicas_reported_latency_reaches_its_models_pool_and_its_versions_pool():
+    """Both sums move: the version pool (canary rollouts weigh latency there) once stayed at 0 because the
+    model pool's update had already changed the replica's value when the version pool took the difference."""
+    d = Dispatcher(RoundRobin(), DispatchSettings(), {"m"})
+    for rid, latency in (("m/r0", 30.0), ("m/r1", 10.0)):
+        d.on_replica_message(rid, ReplicaHello(replica_id=rid, model="m", pid=1, max_batch_size=4, max_seq_len=64,
+                                               version="v2"), 0.0)
+        d.on_replica_message(rid, ReplicaStats(replica_id=rid, latency_ewma_ms=latency), 0.0)
+    d.on_replica_message("m/r0", ReplicaStats(replica_id="m/r0", latency_ewma_ms=50.0), 1.0)
+    assert d.pools["m"].mean_latency_ms == d.version_pools[("m", "v2")].mean_latency_ms == 30.0
+    d.on_replica_message("m/r0", ReplicaBye(replica_id="m/r0"), 2.0)  # leaving takes its own value out of both
+    assert d.pools["m"].mean_latency_ms == d.version_pools[("m", "v2")].mean_latency_ms == 10.0
