@@ -1,22 +1,29 @@
 """Several routers in the simulator: the same workload through 1, 2 and 4 routers, each a real Dispatcher
-behind one thread that spends the measured router CPU per request (sim/routers.py).
+behind one thread that spends the measured router CPU per request, per token chunk and per replica stats
+message (sim/routers.py).
 
     python benchmarks/bench_router_scaleout_sim.py [--site exa256-a100] [--duration 30] [--routers 1 2 4]
-        [--cost-us 47] [--pick round_robin|sticky] [--prefix-mode approximate|precise] [--json OUT]
+        [--cost-us 47] [--chunk-cost-us C] [--stats-cost-us S] [--pick round_robin|sticky]
+        [--prefix-mode approximate|precise] [--json OUT]
 
 Where two cores cannot run several router threads side by side, this shows what sharing the fleet does at
 the seed's scale. Default: exa256-a100 (256 nodes, 3,072 replicas held at the plan, as bench_simulator's
 exa256 part) with exa256-mix compressed so its diurnal peak (~21,800 requests/s) falls in the middle of
 --duration, no faults; 47 us a request (benchmarks/bench_router_throughput.py, prefix affinity, compiled
 index, 3,072 replicas, packed prompts, 2026-12-01): one thread routes at most ~21,400 requests/s, so one
-router is saturated at the peak (1.02 CPU-seconds a second) and two or four are not. --site small16-a100
+router is saturated at the peak (1.02 CPU-seconds a second) before any chunk or stats. Each chunk a
+replica streams beyond the first costs --chunk-cost-us more (the chunks a replica's coalescer sends for the
+answer's tokens: router.coalesce_ms / coalesce_tokens at its step time) and each replica's stats, reaching
+every router once a second, --stats-cost-us (defaults: sim/routers.py's measured CHUNK_COST_S and
+STATS_COST_S, on every site; 0 and 0 give the request-only model). --site small16-a100
 runs the same shape in seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost
 with it (--cost-us default there 7,850 us: 1.57 CPU-seconds a second at the peak, a clearer saturation),
 which is what the tests do.
 
 First a reference: one router at no CPU cost (the fleet and the policy alone; --no-reference skips it).
-Printed per router count: the requests/s the routers can sustain together (count / cost) and the most they
-routed in a sample interval, per router load (CPU-seconds asked per second over the arrivals), utilisation,
+Printed per router count: the requests/s the routers can sustain together (count x the share of a thread
+the stats leave / the CPU a request costs with its chunks) and the most they routed in a sample interval,
+per router load (CPU-seconds asked per second over the arrivals), utilisation,
 queue peak and share, TTFT mean / p99 (the router's queue is part of it), the prefix-cache hit rate
 against the reference's (approximate mode: each router knows only its own choices; a saturated router
 also changes the hit rate, by holding requests back), lost requests (target 0).
@@ -36,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from exaserve_hpc.config import load_site, parse_site  # noqa: E402
-from exaserve_hpc.sim.routers import PICKS, ROUTER_COST_S  # noqa: E402
+from exaserve_hpc.sim.routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S  # noqa: E402
 from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
 from exaserve_hpc.sim.workload import Workload, load_workload, parse_workload  # noqa: E402
 
@@ -59,8 +66,10 @@ def workload(site_name: str, duration: float, qps: float) -> Workload:
                                         "prefix_groups": {"count": 200, "system_tokens": 256, "zipf": 1.05}}]})
 
 
-def run(site, wl: Workload, duration: float, routers: int, cost: float, pick: str) -> dict:
-    sim = Simulation(site, wl, duration=duration, static=True, routers=routers, router_cost=cost, router_pick=pick)
+def run(site, wl: Workload, duration: float, routers: int, cost: float, pick: str, chunk_cost: float = 0.0,
+        stats_cost: float = 0.0) -> dict:
+    sim = Simulation(site, wl, duration=duration, static=True, routers=routers, router_cost=cost, router_pick=pick,
+                     router_chunk_cost=chunk_cost, router_stats_cost=stats_cost)
     t, cpu = time.perf_counter(), time.process_time()
     s = sim.run()
     s.update(wall_s=round(time.perf_counter() - t, 1), cpu_s=round(time.process_time() - cpu, 1))
@@ -74,6 +83,10 @@ def main() -> int:
     p.add_argument("--routers", type=int, nargs="*", default=[1, 2, 4], help="router counts to run (none: the reference only)")
     p.add_argument("--cost-us", type=float, help=f"router CPU per request (default {ROUTER_COST_S * 1e6:g} us on "
                                                  "exa256; scaled to the peak elsewhere)")
+    p.add_argument("--chunk-cost-us", type=float, default=CHUNK_COST_S * 1e6,
+                   help=f"router CPU per token chunk beyond a request's first (default {CHUNK_COST_S * 1e6:g} us)")
+    p.add_argument("--stats-cost-us", type=float, default=STATS_COST_S * 1e6,
+                   help=f"router CPU per replica stats message (default {STATS_COST_S * 1e6:g} us)")
     p.add_argument("--qps", type=float, default=200.0, help="peak requests/s on a site other than exa256")
     p.add_argument("--pick", choices=PICKS, default="round_robin")
     p.add_argument("--prefix-mode", choices=["approximate", "precise"], default="approximate")
@@ -90,8 +103,9 @@ def main() -> int:
     wl = workload(args.site, args.duration, args.qps)
     cost = args.cost_us * 1e-6 if args.cost_us is not None else (
         ROUTER_COST_S if args.site.startswith("exa256") else PEAK_LOAD / args.qps)
+    chunk_cost, stats_cost = args.chunk_cost_us * 1e-6, args.stats_cost_us * 1e-6
     print(f"{args.site}, {wl.name} over {args.duration:g} s (peak in the middle), {1e6 * cost:g} us of router CPU "
-          f"a request, gateways {args.pick}, prefix mode {args.prefix_mode}, index {site.router.index_blocks:,} "
+          f"a request, {args.chunk_cost_us:g} us a further chunk, {args.stats_cost_us:g} us a stats message, gateways {args.pick}, prefix mode {args.prefix_mode}, index {site.router.index_blocks:,} "
           f"blocks; SLO TTFT p99 {wl.slo_ttft_p99:g} s")
     results, ok = {}, True
     if not args.no_reference:
@@ -100,12 +114,14 @@ def main() -> int:
               f"p50 {ref['ttft_p50_s']:.3f} s, p99 {ref['ttft_p99_s']:.3f} s; prefix hit rate {ref['prefix_hit_rate']:.1%}")
         ok &= ref["lost"] == 0
     for n in args.routers:
-        s = run(site, wl, args.duration, n, cost, args.pick)
+        s = run(site, wl, args.duration, n, cost, args.pick, chunk_cost, stats_cost)
         r = s["routers"]
         results[n] = s
         base = results.get("reference") or results[args.routers[0]]
         print(f"\n{n} router(s): {s['accepted']} accepted, {s['completed']} completed, {s['lost']} lost, "
               f"{s['failed']} failed; peak arrivals {s['peak_qps']:,.0f}/s; {s['wall_s']} s wall, {s['cpu_s']} s CPU")
+        print(f"  a request costs {1e6 * r['cpu_per_request_s']:.1f} us of router CPU with its chunks "
+              f"({r['chunks_per_request']:g} beyond the first, mean); stats take {r['stats_share']:.1%} of each router")
         print(f"  routers can sustain {r['capacity_per_s']:,.0f} requests/s together; routed at most "
               f"{sum(x['routed_per_s_peak'] for x in r['per_router']):,.0f}/s (sum of each router's busiest interval)")
         for x in r["per_router"]:

@@ -1,7 +1,9 @@
 """Routed requests/s of one router process vs a plain zmq.proxy forwarding the same messages.
 
     python benchmarks/bench_router_throughput.py [--replicas 3072] [--rounds 5] [--seconds 4]
-        [--policy prefix_affinity] [--window 256] [--routers 1] [--pure-python]
+        [--policy prefix_affinity] [--window 256] [--routers 1] [--pure-python] [--chunks 1]
+    python benchmarks/bench_router_throughput.py --compare-chunks 1 8 [--rounds 5]
+    python benchmarks/bench_router_throughput.py --stats-rate 1 4 [--rounds 5] [--seconds 8]
 
 The workload is the served one at the seed's scale:
 - 3,072 replica sockets (``--replicas``) in two echo processes; each answers a
@@ -42,6 +44,20 @@ client share the same cores), so compare N at one offered load instead:
 ``--rate R`` sends R requests/s in all (open loop, the same for every N) and
 charges the routers' CPU beyond their idle ticks to the requests; CPU per
 request unchanged with N is what lets N routers on N cores scale out.
+
+A streamed answer is many messages, and every replica's stats reach every
+router; the default workload has neither. ``--chunks K`` makes each echo
+replica answer with K token chunks (K - 1, then the finished one), as a
+replica's coalescer sends a stream (router.coalesce_ms / coalesce_tokens);
+``--compare-chunks K1 K2`` runs one router at K1 and K2 chunks an answer in
+each round and reports the slope, the router's CPU per added chunk (the
+simulator's --router-chunk-cost-us). The K chunks of an answer reach the
+router back to back here, where a real stream's are spread over its decode;
+at load the router's drain loop batches chunks of many streams instead.
+``--stats-rate HZ [HZ ...]`` sends no requests: every replica socket sends
+ReplicaStats HZ times a second (router.replica_heartbeat is 1 s), and the
+router's CPU beyond its idle CPU (measured for 2 s before) per message is
+reported (the simulator's --router-stats-cost-us).
 """
 
 from __future__ import annotations
@@ -58,7 +74,7 @@ from array import array
 import msgspec
 import zmq
 
-from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, encode, pack_request
+from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, encode, pack_request
 from exaserve_hpc.router.affinity import AffinitySettings
 
 BLOCK = 16
@@ -90,8 +106,10 @@ def next_turns(seed: int, count: int, firsts: list[list[int]]) -> list[list[int]
     return [rng.choice(firsts) + _tokens(rng, 128) for _ in range(count)]
 
 
-def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready) -> None:
-    """Many replica sockets in one process. envelope: behind zmq.proxy (its identity frame kept)."""
+def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: int = 1, stats=None) -> None:
+    """Many replica sockets in one process. envelope: behind zmq.proxy (its identity frame kept).
+    chunks: token chunks per answer, the last one finished. stats: (rate per replica per second, a start
+    Event, a shared count of stats sent): once the event is set every socket sends ReplicaStats at that rate."""
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, len(ids) + 64)
     poller = zmq.Poller()
@@ -109,6 +127,10 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready) -> None:
         socks.append(sock)
     ready.put(len(socks))
     finished = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4], finished=True, finish_reason="length"))
+    # the chunks before the last, each as a replica's coalescer flushes them (a few tokens, not finished)
+    partial = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4]))
+    if stats is not None:
+        _stats_loop(socks, ids, *stats)  # no requests come meanwhile
     while True:
         for sock, _ in poller.poll():
             while True:
@@ -116,9 +138,28 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready) -> None:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                request_id = _echo_decoder.decode(frames[-1]).request_id
-                reply = finished.replace(b"\xa0", _str_header(request_id), 1)
-                sock.send_multipart(frames[:-1] + [reply])
+                header, envelope_frames = _str_header(_echo_decoder.decode(frames[-1]).request_id), frames[:-1]
+                for _ in range(chunks - 1):
+                    sock.send_multipart(envelope_frames + [partial.replace(b"\xa0", header, 1)])
+                sock.send_multipart(envelope_frames + [finished.replace(b"\xa0", header, 1)])
+
+
+def _stats_loop(socks: list, ids: list[str], rate: float, go, sent_count) -> None:
+    """Every socket sends ReplicaStats `rate` times a second (round-robin, paced), as StatusReporters do,
+    once `go` is set; `sent_count` (shared with the parent) counts them."""
+    bodies = [encode(ReplicaStats(replica_id=rid, queue_depth=3, running=17, kv_used=0.42, latency_ewma_ms=23.5,
+                                  tokens_generated=123456, requests_finished=4321, prefix_hit_tokens=654321,
+                                  prefix_query_tokens=987654, kv_blocks_cached=2048, ttft_ms_p50=85.0,
+                                  ttft_ms_p99=410.0, tpot_ms_p50=22.0, tpot_ms_p99=41.0)) for rid in ids]
+    go.wait()
+    sent, start, n = 0, time.perf_counter(), len(socks)
+    while True:
+        due = int(rate * n * (time.perf_counter() - start))
+        while sent < due:
+            socks[sent % n].send(bodies[sent % n])
+            sent += 1
+        sent_count.value = sent
+        time.sleep(0.002)
 
 
 def _str_header(s: str) -> bytes:
@@ -166,22 +207,33 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
                     each()
         return count
 
+    # With --chunks K every request is answered by K messages: counted as one answer per K (the client
+    # does not decode them, so its cost stays small); the closed loop sends one request per K received.
+    chunks = args.chunks
+    received = 0
+
+    def each_message() -> None:
+        nonlocal received
+        received += 1
+        if received % chunks == 0:
+            send()
+
     def pump(until: float) -> int:
         """Closed loop: each answer sends the next request, so `window` stay in flight."""
-        answered = 0
+        first = received
         while time.perf_counter() < until:
-            answered += answers(100, send)
-        return answered
+            answers(100, each_message)
+        return (received - first) // chunks
 
     def paced(until: float) -> int:
         """Open loop: `args.rate` requests/s in all, at most `window` outstanding."""
-        answered, start, base = 0, time.perf_counter(), sent
+        messages, start, base = 0, time.perf_counter(), sent
         while (now := time.perf_counter()) < until:
             due = base + int(args.rate * (now - start))
-            while sent < due and sent - base - answered < args.window:
+            while sent < due and sent - base - messages // chunks < args.window:
                 send()
-            answered += answers(1)
-        return answered
+            messages += answers(1)
+        return messages // chunks
 
     # The hubs' CPU while nothing is sent (ticks, status snapshots): subtracted in --rate runs, where
     # it would otherwise be charged to the requests N times over with N routers.
@@ -267,8 +319,8 @@ def phase(kind: str, args) -> tuple[float, float]:
     peers, echo_ready = [], mp.Queue()
     for _, (_, backend) in hubs:  # every router reaches every replica: one socket per (replica, router)
         for k in range(ECHO_PROCESSES):
-            p = mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], kind == "proxy", echo_ready),
-                           daemon=True)
+            p = mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], kind == "proxy", echo_ready,
+                                                       args.chunks), daemon=True)
             p.start()
             peers.append(p)
     for _ in peers:
@@ -287,6 +339,40 @@ def phase(kind: str, args) -> tuple[float, float]:
         p.terminate()
         p.join()
     return rate, cpu
+
+
+def stats_phase(args, rate: float) -> tuple[float, float]:
+    """(stats messages/s, router CPU microseconds per stats message): one router with the whole fleet
+    registered (index warm as in `phase`), no requests; every replica socket sends ReplicaStats `rate` times a
+    second. The router's CPU over 2 s before the stats start (its ticks, status snapshots) is left out."""
+    endpoints, ready, echo_ready = mp.Queue(), mp.Queue(), mp.Queue()
+    hub = mp.Process(target=run_router, args=(endpoints, ready, args), daemon=True)
+    hub.start()
+    backend = endpoints.get(timeout=60)[1]
+    ids = [f"node{i // 8:03d}/gpu{i % 8}" for i in range(args.replicas)]
+    go = mp.Event()
+    counts = [mp.Value("q", 0, lock=False) for _ in range(ECHO_PROCESSES)]
+    peers = [mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], False, echo_ready, 1,
+                                                    (rate, go, counts[k])), daemon=True)
+             for k in range(ECHO_PROCESSES)]
+    for p in peers:
+        p.start()
+    for _ in peers:
+        echo_ready.get(timeout=120)
+    pid = ready.get(timeout=300)
+    time.sleep(1.0)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    time.sleep(2.0)
+    idle_per_s = (cpu_seconds(pid) - cpu0) / (time.perf_counter() - t0)
+    go.set()
+    time.sleep(1.0)  # warm-up, not counted
+    sent0, cpu0, t0 = sum(c.value for c in counts), cpu_seconds(pid), time.perf_counter()
+    time.sleep(args.seconds)
+    sent, cpu, elapsed = sum(c.value for c in counts) - sent0, cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    for p in [*peers, hub]:
+        p.terminate()
+        p.join()
+    return sent / elapsed, 1e6 * (cpu - idle_per_s * elapsed) / max(1, sent)
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -315,10 +401,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-routers", type=int, nargs="+", metavar="N",
                         help="instead of the proxy comparison: each round runs these router counts in turn "
                              "(e.g. 1 2 4, best with --rate) and reports each against the first")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="token chunks each echo replica answers a request with, the last one finished (default 1)")
+    parser.add_argument("--compare-chunks", type=int, nargs=2, metavar=("K1", "K2"),
+                        help="instead of the proxy comparison: each round runs one router with K1, then K2 chunks "
+                             "an answer (e.g. 1 8) and reports the router's CPU per request and per added chunk")
+    parser.add_argument("--stats-rate", type=float, nargs="+", metavar="HZ",
+                        help="instead of the proxy comparison: no requests; every replica sends ReplicaStats this "
+                             "many times a second (several rates: taken in turn each round) and the router's CPU "
+                             "per stats message is reported (router.replica_heartbeat 1 s: 1 a second)")
     args = parser.parse_args(argv)
+    if args.chunks < 1 or (args.compare_chunks and min(args.compare_chunks) < 1):
+        parser.error("--chunks and --compare-chunks take 1 or more chunks an answer")
     policy = f"{args.policy}, pure Python" if args.pure_python else args.policy
     if args.compare_routers:
         return compare_routers(args, policy)
+    if args.compare_chunks:
+        return compare_chunks(args, policy)
+    if args.stats_rate:
+        return stats_costs(args, policy)
     label = f"{args.routers} x ZmqRouter ({policy})" if args.routers > 1 else f"ZmqRouter ({policy})"
     ratios, cpu_ratios, proxy_cpus, router_cpus, rates = [], [], [], [], []
     for i in range(args.rounds):
@@ -367,6 +468,51 @@ def compare_routers(args, policy: str) -> int:
         cpu_x = [c / c0 for c, c0 in zip(cpus[n], cpus[first])]
         print(f"{n} router(s): {spread(rates[n], '.0f')} req/s ({spread(rate_x, '.2f')}x {first}'s); "
               f"CPU per request {spread(cpus[n], '.1f')} us ({spread(cpu_x, '.2f')}x {first}'s)")
+    return 0
+
+
+def compare_chunks(args, policy: str) -> int:
+    """One router, answers of K1 then K2 chunks in each round: the marginal CPU of a chunk is the slope."""
+    k1, k2 = args.compare_chunks
+    rates: dict[int, list[float]] = {k1: [], k2: []}
+    cpus: dict[int, list[float]] = {k1: [], k2: []}
+    for i in range(args.rounds):
+        line = []
+        for k in (k1, k2):
+            args.chunks = k
+            rate, cpu = phase("router", args)
+            rates[k].append(rate)
+            cpus[k].append(cpu)
+            line.append(f"{k} chunk(s) {rate:7.0f} req/s, {cpu:5.1f} us CPU a request")
+        slope = (cpus[k2][-1] - cpus[k1][-1]) / (k2 - k1)
+        print(f"round {i + 1}: " + "   ".join(line) + f"   -> {slope:.1f} us a chunk", flush=True)
+    slopes = [(c2 - c1) / (k2 - k1) for c1, c2 in zip(cpus[k1], cpus[k2])]
+    print(f"{args.replicas} replicas, ZmqRouter ({policy}), closed loop, {args.window} requests in flight, "
+          f"{args.rounds} rounds")
+    for k in (k1, k2):
+        print(f"{k} chunk(s) an answer: {spread(rates[k], '.0f')} req/s; router CPU per request "
+              f"{spread(cpus[k], '.1f')} us, per chunk {spread([c / k for c in cpus[k]], '.1f')} us")
+    print(f"marginal router CPU per chunk (slope {k1} -> {k2} chunks, per round): {spread(slopes, '.1f')} us")
+    return 0
+
+
+def stats_costs(args, policy: str) -> int:
+    """Router CPU per ReplicaStats message at each --stats-rate, rounds alternating over the rates."""
+    rates = args.stats_rate
+    per: dict[float, list[float]] = {r: [] for r in rates}
+    flows: dict[float, list[float]] = {r: [] for r in rates}
+    for i in range(args.rounds):
+        line = []
+        for r in rates:
+            flow, cpu = stats_phase(args, r)
+            per[r].append(cpu)
+            flows[r].append(flow)
+            line.append(f"{r:g}/s a replica: {flow:7.0f} stats/s, {cpu:5.1f} us CPU each")
+        print(f"round {i + 1}: " + "   ".join(line), flush=True)
+    print(f"{args.replicas} replicas, ZmqRouter ({policy}), no requests, {args.rounds} rounds")
+    for r in rates:
+        print(f"stats {r:g}/s a replica ({spread(flows[r], '.0f')} messages/s): router CPU per stats message "
+              f"{spread(per[r], '.1f')} us")
     return 0
 
 

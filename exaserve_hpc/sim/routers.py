@@ -15,16 +15,28 @@ approximate affinity: a conversation's turns land on different routers); `sticky
 one prefix (a system prompt's group, a conversation's first block) on one router, as a client that keeps
 its connection to one gateway does.
 
-The router thread's CPU: each router is one thread that takes a request after the one before it
-(`RouterThread.take`): a request waits in its router's queue while the thread is busy, then is routed
-`cost` seconds after it started, the moment the real thread would have sent it. The cost is the whole
-per-request figure of the throughput benchmark (receive, decode, decide, record, send, and the reply's
-handling), charged once at the request; replica stats and token chunks cost nothing more here. With
-cost 0 a request is routed the moment it arrives (the simulator before routers had a cost).
+The router thread's CPU: each router is one thread that takes its work one piece after another
+(`RouterThread`, a FIFO server), and three kinds of work cost it CPU, each as measured by
+benchmarks/bench_router_throughput.py:
+- a request (`cost`, --router-cost-us): receive, decode, decide, record, send, and the handling of one
+  answer chunk (the benchmark's replicas answer with one finished chunk); it waits in its router's queue
+  while the thread is busy and is routed `cost` seconds after it started, when the real thread would send it;
+- each further token chunk of its answer (`chunk_cost`, --router-chunk-cost-us; the benchmark's
+  --compare-chunks slope): the simulated replicas report a stream in a few messages (the first token,
+  progress every few seconds, the finish), so each report is charged the chunks a real replica's coalescer
+  (agent/replica_main.py ChunkCoalescer) would have sent for its tokens under router.coalesce_ms /
+  coalesce_tokens at the replica's step time (`chunks_for`); an answer that finds its thread busy waits
+  behind the work queued before it (TTFT includes that wait), one that finds it idle is passed on at once;
+- each ReplicaStats message (`stats_cost`, --router-stats-cost-us; the benchmark's --stats-rate): every
+  replica's stats reach every router each router.replica_heartbeat, charged to each thread at the tick (a
+  burst, where real replicas' reports are spread over the second: the same CPU, queued a little longer).
+KV events (precise mode) and the dispatchers' ticks cost nothing here. With every cost 0 a request is
+routed and answered the moment it arrives (the simulator before routers had a cost).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from ..control_plane_routing import dispatch_settings, router_policy
@@ -38,18 +50,45 @@ from ..router.router_group import merge_snapshots
 # 2-core machine; 72 us before prompts were packed). One thread therefore routes at most ~21,400
 # requests/s: exa256-mix's peak (~21,800 req/s) offers it 1.02 CPU-seconds a second.
 ROUTER_COST_S = 47e-6
+# Router CPU per token chunk beyond a request's first: the slope between answers of 1 and 8 chunks, same
+# run, 5 alternating rounds: 7.6 us (rounds 6.5-10.7; 42.3 us a request at 1 chunk, 98.1 at 8);
+# benchmarks/bench_router_throughput.py --compare-chunks 1 8, 3,072 replicas, 2026-12-01, 2-core machine
+# with the other core busy elsewhere. Token chunks are what a streamed answer is mostly made of.
+CHUNK_COST_S = 7.6e-6
+# Router CPU per ReplicaStats message: 3,072 replicas reporting once a second (router.replica_heartbeat)
+# to an otherwise idle router, its idle CPU left out: 31.5 us (3 rounds 24.4-35.3), mostly the thread
+# waking for a few messages at a time; at 8 a second a replica (24,600 messages/s) 13.3 us, and the
+# decode + Dispatcher.on_replica_message alone ~1.9 us in-process. The figure at the real rate is taken:
+# a router busy with requests pays less per message, so this errs against the router (<= 10% of a thread).
+# benchmarks/bench_router_throughput.py --stats-rate 1 8, same day and machine.
+STATS_COST_S = 31.5e-6
 PICKS = ("round_robin", "sticky")
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: block ids are spaced by powers of two, `% n` alone would not spread
+
+
+def chunks_for(tokens: int, step_ms: float, coalesce_ms: float, coalesce_tokens: int) -> int:
+    """Token chunks a replica's coalescer sends for `tokens` decoded one a step of `step_ms` after its first
+    chunk: a chunk goes at coalesce_tokens tokens, or at the first token coalesce_ms after the chunk's first
+    (ChunkCoalescer.add / due, both on the step's start time), so it holds 1 + ceil(coalesce_ms / step_ms)."""
+    if tokens <= 0:
+        return 0
+    per = coalesce_tokens if step_ms <= 0 else min(coalesce_tokens, 1 + math.ceil(coalesce_ms / step_ms))
+    return -(-tokens // max(1, per))
 
 
 class RouterThread:
     """One router: its Dispatcher and the single thread that serves its requests one after another."""
 
-    def __init__(self, index: int, dispatcher: Dispatcher, cost: float):
+    def __init__(self, index: int, dispatcher: Dispatcher, cost: float, chunk_cost: float = 0.0,
+                 stats_cost: float = 0.0):
         self.index, self.dispatcher, self.cost = index, dispatcher, cost
+        self.chunk_cost, self.stats_cost = chunk_cost, stats_cost
         self.gateway = f"sim-gateway-{index}".encode()
         self.free_at = 0.0  # when the thread has served every request it holds
-        self.busy_s = 0.0  # CPU-seconds of every request taken
+        self.busy_s = 0.0  # CPU-seconds of all work taken (requests, chunks, stats)
+        self.chunks = self.stats = 0  # chunks charged (beyond each request's first), stats messages
+        self.chunk_s = self.stats_s = 0.0  # their CPU-seconds (in busy_s too)
+        self.marks: dict = {}  # "start" / "end" of the arrivals' window: (busy_s, busy_until, stats_s) then
         self.held = self.held_peak = 0  # requests taken, not yet routed (in service or waiting)
         self.routed = 0
         self.wait_s = self.wait_max = 0.0  # time requests spent queued behind others
@@ -72,6 +111,32 @@ class RouterThread:
             self.held_peak = self.held
         return self.free_at
 
+    def answer(self, now: float, chunks: int) -> float:
+        """A replica's answer worth `chunks` chunks beyond the first arrives: when the thread has handled it
+        (FIFO behind what it holds). One that finds the thread idle is handed on at `now` (its few us are
+        not worth an event); with free routers every answer is."""
+        self.chunks += chunks
+        if self.cost <= 0 and self.chunk_cost <= 0:
+            return now
+        work = chunks * self.chunk_cost
+        self.chunk_s += work
+        self.busy_s += work
+        if self.free_at <= now:
+            self.free_at = now + work
+            return now
+        self.free_at += work
+        return self.free_at
+
+    def stats_burst(self, now: float, messages: int) -> None:
+        """`messages` ReplicaStats reach the thread at `now`: their CPU, queued before later work."""
+        self.stats += messages
+        if self.stats_cost <= 0:
+            return
+        work = messages * self.stats_cost
+        self.stats_s += work
+        self.busy_s += work
+        self.free_at = (self.free_at if self.free_at > now else now) + work
+
     def busy_until(self, t: float) -> float:
         """CPU-seconds spent up to t: a FIFO thread is busy without a break from t to free_at."""
         return self.busy_s - (self.free_at - t if self.free_at > t else 0.0)
@@ -91,13 +156,17 @@ class SimRouters:
     frontend_endpoint = "sim://router-frontend"
 
     def __init__(self, site, models: set, clock: Callable[[], float], count: int = 0, cost: float = ROUTER_COST_S,
-                 pick: str = "round_robin", seed: int = 0):
-        """count: routers (0: the site's router.count); cost: router CPU-seconds per request."""
+                 pick: str = "round_robin", seed: int = 0, chunk_cost: float = CHUNK_COST_S,
+                 stats_cost: float = STATS_COST_S):
+        """count: routers (0: the site's router.count); cost: router CPU-seconds per request; chunk_cost: per
+        token chunk beyond a request's first; stats_cost: per ReplicaStats message."""
         count = count or site.router.count
         if count < 1:
             raise ValueError(f"routers must be >= 1 (router.count), got {count}")
-        if cost < 0:
-            raise ValueError(f"router cost per request must be >= 0 seconds, got {cost}")
+        for name, value in (("request", cost), ("chunk", chunk_cost), ("stats message", stats_cost)):
+            if not value >= 0:
+                raise ValueError(f"router cost per {name} must be >= 0 seconds, got {value}")
+        self.coalesce = (site.router.coalesce_ms, site.router.coalesce_tokens)
         if pick not in PICKS:
             raise ValueError(f"router pick {pick!r} is unknown; choose one of {', '.join(PICKS)}")
         self.threads = []
@@ -106,7 +175,8 @@ class SimRouters:
             for sampler in (policy, getattr(policy, "balance", None)):  # random draws: from the seed
                 if hasattr(sampler, "rng"):
                     sampler.rng.seed(seed + 7919 * k)  # router 0: the seed itself, as with one router
-            self.threads.append(RouterThread(k, Dispatcher(policy, dispatch_settings(site), models), cost))
+            self.threads.append(RouterThread(k, Dispatcher(policy, dispatch_settings(site), models), cost,
+                                             chunk_cost, stats_cost))
         self.pick_rule, self.clock, self.out = pick, clock, []
         self._next = 0
         self._snapshot: tuple[float, dict] = (-1.0, {})
@@ -131,6 +201,15 @@ class SimRouters:
         for t in self.threads:
             out += t.dispatcher.on_replica_message(replica_id, message, now)
         return out
+
+    def stats_reached(self, now: float, messages: int) -> None:
+        """`messages` replicas' stats reached every router (`broadcast`): each thread's CPU for them."""
+        for t in self.threads:
+            t.stats_burst(now, messages)
+
+    def chunks(self, tokens: int, step_ms: float) -> int:
+        """Chunks a real replica sends for `tokens` streamed at `step_ms` a step, under the site's coalescing."""
+        return chunks_for(tokens, step_ms, *self.coalesce)
 
     @property
     def follows_kv_events(self) -> bool:
@@ -190,20 +269,45 @@ class SimRouters:
         for t in self.threads:
             t.sample(now, interval)
 
+    def mark(self, now: float, name: str) -> None:
+        """The arrivals' window opens ("start") or closes ("end"): what each thread had taken and spent."""
+        for t in self.threads:
+            t.marks[name] = (t.busy_s, t.busy_until(now), t.stats_s)
+
     def summary(self, start: float, end: float) -> dict:
-        """Per router over the arrivals' window [start, end): load (CPU-seconds the requests asked for per
-        second; above 1 the thread cannot keep up and its queue grows), utilisation (the share of the window
-        the thread was busy), the busiest sample interval's, queue peak (requests held: waiting or in
-        service), requests routed and their share, mean and longest wait in the router's queue."""
+        """Per router over the arrivals' window [start, end): load (CPU-seconds of work taken per second:
+        requests, their chunks, stats; above 1 the thread cannot keep up and its queue grows), utilisation
+        (the share of the window the thread was busy), the busiest sample interval's, queue peak (requests
+        held: waiting or in service), requests routed and their share, mean and longest wait in the
+        router's queue, chunks and stats handled (whole run) and their CPU. Together: the mean CPU a request
+        costs with its chunks, the share of a thread the stats take, and what the routers can sustain."""
         total = sum(t.routed for t in self.threads) or 1
-        cost, span = self.threads[0].cost, max(1e-9, end - start)
+        first, span = self.threads[0], max(1e-9, end - start)
+        cost = first.cost
+        none = (0.0, 0.0, 0.0)
+
+        def window(t: RouterThread, k: int) -> float:  # marks absent (a run cut short): from 0 / up to now
+            return t.marks.get("end", (t.busy_s, t.busy_until(end), t.stats_s))[k] - t.marks.get("start", none)[k]
+
+        # Chunks come until a request ends (after the window, for the last ones): counted per request taken
+        # (accepted: with free routers a request is dispatched without being `routed` by a thread).
+        accepted = sum(t.dispatcher.counters.get("accepted", 0) for t in self.threads) or total
+        chunks_per_request = sum(t.chunks for t in self.threads) / accepted
+        per_request = cost + chunks_per_request * first.chunk_cost
+        stats_share = max(window(t, 2) for t in self.threads) / span  # of each thread's time
         per = [{"router": t.index, "routed": t.routed, "share": round(t.routed / total, 4),
-                "load": round(t.busy_s / span, 4), "utilisation": round(t.busy_until(end) / span, 4),
+                "load": round(window(t, 0) / span, 4), "utilisation": round(window(t, 1) / span, 4),
+                "chunks": t.chunks, "chunk_cpu_s": round(t.chunk_s, 3), "stats": t.stats,
+                "stats_cpu_s": round(t.stats_s, 3),
                 "utilisation_peak": round(t.util_peak, 4),
                 "queue_peak": t.held_peak, "wait_mean_s": t.wait_s / max(1, t.routed), "wait_max_s": t.wait_max,
                 "routed_per_s_peak": round(t.rate_peak, 1),
                 # prefix index generations dropped (router.index_blocks // 2 hashes each): how often it forgot
                 "index_generations_evicted": getattr(getattr(t.dispatcher.policy, "index", None),
                                                      "evicted_generations", 0)} for t in self.threads]
-        return {"count": len(self.threads), "cost_per_request_s": cost, "pick": self.pick_rule,
-                "capacity_per_s": round(len(self.threads) / cost, 1) if cost > 0 else None, "per_router": per}
+        return {"count": len(self.threads), "cost_per_request_s": cost, "chunk_cost_s": first.chunk_cost,
+                "stats_cost_s": first.stats_cost, "pick": self.pick_rule,
+                "chunks_per_request": round(chunks_per_request, 2), "cpu_per_request_s": per_request,
+                "stats_share": round(stats_share, 4),
+                "capacity_per_s": round(len(self.threads) * max(0.0, 1 - stats_share) / per_request, 1)
+                if per_request > 0 else None, "per_router": per}

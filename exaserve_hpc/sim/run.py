@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import SiteConfig
 from .report import write_report
-from .routers import PICKS, ROUTER_COST_S
+from .routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S
 from .simulation import Simulation
 from .workload import Workload, workload_from_args
 
@@ -25,11 +25,13 @@ from .workload import Workload, workload_from_args
 def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = None, static: bool = False,
              seed: int = 0, console: Optional[Console] = None, run_dir: Optional[Path] = None,
              label: str = "", routers: int = 0, router_cost: float = ROUTER_COST_S,
-             router_pick: str = "round_robin") -> tuple[Simulation, dict, float]:
+             router_pick: str = "round_robin", router_chunk_cost: float = CHUNK_COST_S,
+             router_stats_cost: float = STATS_COST_S) -> tuple[Simulation, dict, float]:
     """One run; returns (simulation, summary, wall seconds). routers: 0 is the site's router.count."""
     total = duration or workload.duration
     sim = Simulation(site, workload, duration, seed=seed, static=static, run_dir=run_dir, routers=routers,
-                     router_cost=router_cost, router_pick=router_pick)
+                     router_cost=router_cost, router_pick=router_pick, router_chunk_cost=router_chunk_cost,
+                     router_stats_cost=router_stats_cost)
     progress = Progress(TextColumn(f"simulating {label or ('static' if static else 'dynamic')}"), BarColumn(),
                         TextColumn("{task.fields[where]}"), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=True)
@@ -89,7 +91,9 @@ def routers_line(r: dict) -> str:
                     f"utilisation {p['utilisation']:.0%} "
                     f"(peak {p['utilisation_peak']:.0%}), queue peak {p['queue_peak']}, wait mean "
                     f"{1000 * p['wait_mean_s']:.1f} ms" for p in r["per_router"])
-    return (f"routers: {r['count']} at {1e6 * r['cost_per_request_s']:.0f} us a request "
+    return (f"routers: {r['count']} at {1e6 * r['cost_per_request_s']:.0f} us a request, "
+            f"{1e6 * r['chunk_cost_s']:g} us a further chunk ({r['chunks_per_request']:g} a request), "
+            f"{1e6 * r['stats_cost_s']:g} us a stats message ({r['stats_share']:.1%} of each thread) "
             f"(at most {r['capacity_per_s'] or float('inf'):,.0f} requests/s together), gateways {r['pick']}; {per}")
 
 
@@ -97,9 +101,11 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
     workload = workload_from_args(args, console)
     if workload is None:
         return 2
-    if (args.routers is not None and not 1 <= args.routers <= 64) or not args.router_cost_us >= 0:
-        console.print(f"[red]error[/]: --routers must be 1..64 (as router.count) and --router-cost-us >= 0; got "
-                      f"{args.routers} and {args.router_cost_us:g}", highlight=False)
+    costs = (args.router_cost_us, args.router_chunk_cost_us, args.router_stats_cost_us)
+    if (args.routers is not None and not 1 <= args.routers <= 64) or not all(c >= 0 for c in costs):
+        console.print(f"[red]error[/]: --routers must be 1..64 (as router.count) and --router-cost-us, "
+                      f"--router-chunk-cost-us, --router-stats-cost-us >= 0; got {args.routers} and "
+                      f"{', '.join(f'{c:g}' for c in costs)}", highlight=False)
         return 2
     runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
     sites = {name: site for name in runs}
@@ -116,7 +122,9 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
         sim, summary, wall = simulate(sites[name], workload, args.duration, static=name == "static", seed=args.seed,
                                       label=name, run_dir=Path(args.out) / "run" if args.out else None,
                                       routers=args.routers or 0, router_cost=args.router_cost_us * 1e-6,
-                                      router_pick=args.router_pick)
+                                      router_pick=args.router_pick,
+                                      router_chunk_cost=args.router_chunk_cost_us * 1e-6,
+                                      router_stats_cost=args.router_stats_cost_us * 1e-6)
         results[name] = (sim, summary, wall)
         console.print(f"{name}: {summary['simulated_s']:.0f} s simulated in {wall:.1f} s wall "
                       f"(ratio {summary['sim_wall_ratio']:.2f}); {summary['accepted']} accepted, "
@@ -155,6 +163,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser, site_help: str) -> N
     parser.add_argument("--router-cost-us", type=float, default=ROUTER_COST_S * 1e6,
                         help="router CPU per request in microseconds (one thread per router; default "
                              f"{ROUTER_COST_S * 1e6:g}, measured by benchmarks/bench_router_throughput.py; 0: free)")
+    parser.add_argument("--router-chunk-cost-us", type=float, default=CHUNK_COST_S * 1e6,
+                        help="router CPU per token chunk beyond a request's first, in microseconds, charged for the "
+                             "chunks a replica streams under router.coalesce_ms / coalesce_tokens (default "
+                             f"{CHUNK_COST_S * 1e6:g}: benchmarks/bench_router_throughput.py --compare-chunks 1 8)")
+    parser.add_argument("--router-stats-cost-us", type=float, default=STATS_COST_S * 1e6,
+                        help="router CPU per ReplicaStats message, every replica's reaching every router each "
+                             f"router.replica_heartbeat (default {STATS_COST_S * 1e6:g}: "
+                             "benchmarks/bench_router_throughput.py --stats-rate 1)")
     parser.add_argument("--router-pick", choices=PICKS, default="round_robin",
                         help="how requests spread over the routers' gateways: round_robin (a load balancer) or "
                              "sticky (a prefix's requests keep to one gateway)")

@@ -8,9 +8,10 @@ One event heap in simulated seconds; nothing reads the wall clock, opens a socke
   scale-down choices are therefore the running code's.
 - The routers are `router.dispatch.Dispatcher`s with the site's policy and settings, `router.count` of
   them (or `routers`) sharing the fleet as in a real job, each behind one thread that spends
-  `router_cost` seconds of CPU per request (routers.py); requests go to one router as its gateway would
-  send them (the prompt's block hashes precomputed in the router's scheme), its replies are delivered to
-  the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report ReplicaStats to
+  `router_cost` seconds of CPU per request, `router_chunk_cost` per token chunk a real replica would stream
+  beyond the first and `router_stats_cost` per stats message (routers.py); requests go to one router as
+  its gateway would send them (the prompt's block hashes precomputed in the router's scheme), its replies
+  are delivered to the replicas (`SimReplica`, replica.py) or counted at the gateway; replicas report ReplicaStats to
   every router every router.replica_heartbeat, and the dispatchers' tick runs every second.
 - Faults (workload.py) at their times; the controller finds a dead node by its missing heartbeats, the
   router by its replicas' missing stats, exactly as in a real run. When the controller's own node dies the
@@ -40,7 +41,7 @@ from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
 from .fleet import SimAgent
 from .metrics import Recorder
 from .replica import SharedGpus, SimSeq
-from .routers import ROUTER_COST_S, SimRouters
+from .routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, SimRouters
 from .workload import Workload, arrivals
 
 
@@ -48,10 +49,12 @@ class Simulation:
     def __init__(self, site: SiteConfig, workload: Workload, duration: Optional[float] = None, seed: int = 0,
                  sample_every: Optional[float] = None, run_dir: Optional[Path] = None, drain_limit: float = 900.0,
                  on_progress: Optional[Callable[[float], None]] = None, static: bool = False, routers: int = 0,
-                 router_cost: float = ROUTER_COST_S, router_pick: str = "round_robin"):
+                 router_cost: float = ROUTER_COST_S, router_pick: str = "round_robin",
+                 router_chunk_cost: float = CHUNK_COST_S, router_stats_cost: float = STATS_COST_S):
         """static: replicas fixed at the site's plan (the autoscaler decides nothing; failover still re-places).
         routers: how many share the fleet (0: the site's router.count); router_cost: CPU-seconds a router's
-        thread spends per request; router_pick: how gateways are chosen (routers.PICKS)."""
+        thread spends per request, router_chunk_cost per token chunk beyond the first, router_stats_cost per
+        ReplicaStats message (routers.py); router_pick: how gateways are chosen (routers.PICKS)."""
         self.site, self.workload = site, workload
         self.duration = duration or workload.duration
         self.seed = seed
@@ -71,7 +74,8 @@ class Simulation:
         self._block = {s.model: s.block_tokens for s in workload.streams}
         self._max_seq = {m: spec.max_seq_len for m, spec in self.catalogue.items()}
         self.too_long = 0  # requests longer than their model's max_seq_len, refused at the gateway
-        self.router = SimRouters(site, self.models, lambda: self.now, routers, router_cost, router_pick, seed)
+        self.router = SimRouters(site, self.models, lambda: self.now, routers, router_cost, router_pick, seed,
+                                 router_chunk_cost, router_stats_cost)
         self.dispatcher = self.router.threads[0].dispatcher  # router 0's: its settings and hasher are all routers'
         # decoding replicas report progress well within the router's stall limit (real ones every ~20 ms)
         self.progress_every = min(10.0, self.dispatcher.settings.stall_limit / 4)
@@ -178,18 +182,24 @@ class Simulation:
             info = requests.get(seq.request_id)
             if info is None:
                 continue  # ended at the gateway already (its router would drop the late answer)
-            dispatcher = info[3].dispatcher  # the answer goes to the router that sent the request
-            if kind == "first":
-                out += dispatcher.on_replica_message(
-                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
-                                    finish_reason="length" if seq.max_tokens <= 1 else None), now)
+            thread = info[3]  # the answer goes to the router that sent the request
+            if kind == "first":  # its handling is in the request's cost
+                chunk, chunks = TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
+                                           finish_reason="length" if seq.max_tokens <= 1 else None), 0
             elif kind == "progress":
-                out += dispatcher.on_replica_message(
-                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * seq.progress), now)
+                chunk = TokenChunk(request_id=seq.request_id, token_ids=[0] * seq.progress)
             elif seq.max_tokens > 1:
-                out += dispatcher.on_replica_message(
-                    rid, TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - seq.sent),
-                                    finished=True, finish_reason="length"), now)
+                chunk = TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.max_tokens - seq.sent),
+                                   finished=True, finish_reason="length")
+            else:
+                continue
+            if kind != "first":  # one report here is the chunks a real replica streams for its tokens
+                chunks = self.router.chunks(len(chunk.token_ids), replica.latency_ewma_ms)
+            at = thread.answer(now, chunks)
+            if at <= now:
+                out += thread.dispatcher.on_replica_message(rid, chunk, now)
+            else:  # behind the work its router's thread holds
+                self.later(at, self._answered, thread, rid, chunk)
         if replica.kv_log:  # precise prefix routing: the engine's KV events, published as they happen
             hasher = self._hasher
             self.router.kv_events(rid, replica.kv_log, max(1, replica.block // hasher.block_size), hasher.block_size)
@@ -197,6 +207,9 @@ class Simulation:
             self.later(replica.busy_until, self._wake, replica, replica.version)
         if out:
             self._send(out)
+
+    def _answered(self, now: float, thread, replica_id: str, chunk: TokenChunk) -> None:
+        self._send(thread.dispatcher.on_replica_message(replica_id, chunk, now))
 
     def _arrive(self, now: float, it, request) -> None:
         nxt = next(it, None)
@@ -261,6 +274,7 @@ class Simulation:
         out = []
         for rid, message in stats:  # every replica's stats reach every router
             out += self.router.broadcast(rid, message, now)
+        self.router.stats_reached(now, len(stats))
         out += self.router.tick(now)
         self._send(out)
         self.later(now + self.site.router.replica_heartbeat, self._router_tick)
@@ -349,6 +363,8 @@ class Simulation:
         self.later(self.site.router.replica_heartbeat, self._router_tick)
         self.later(start + self.rec.interval, self._sample)
         end = start + self.duration
+        self.later(start, self.router.mark, "start")  # the routers' figures cover the arrivals' window
+        self.later(end, self.router.mark, "end")
         heap = self._heap
         while heap:
             t, _, fn, args = heapq.heappop(heap)

@@ -9,7 +9,7 @@ import pytest
 
 from exaserve_hpc import cli
 from exaserve_hpc.config import load_site, parse_site, resolve_site
-from exaserve_hpc.sim.routers import RouterThread, SimRouters
+from exaserve_hpc.sim.routers import CHUNK_COST_S, STATS_COST_S, RouterThread, SimRouters, chunks_for
 from exaserve_hpc.sim.simulation import Simulation
 from exaserve_hpc.sim.workload import parse_workload
 
@@ -109,6 +109,72 @@ def test_router_thread_is_a_fifo_server_and_settings_are_checked():
         SimRouters(site(), {MODEL}, lambda: 0.0, count=-1)
     with pytest.raises(ValueError, match="round_robin, sticky"):
         SimRouters(site(), {MODEL}, lambda: 0.0, count=2, pick="dns")
+    with pytest.raises(ValueError, match="per chunk must be >= 0"):
+        SimRouters(site(), {MODEL}, lambda: 0.0, chunk_cost=-1e-6)
+    # answers and stats queue on the same thread: an answer behind a request waits, then takes its chunks'
+    # CPU; one finding the thread idle goes at once; a stats burst delays what comes after it
+    t = RouterThread(0, dispatcher=None, cost=0.010, chunk_cost=0.001, stats_cost=0.002)
+    assert t.take(0.0) == pytest.approx(0.010)
+    assert t.answer(0.005, 3) == pytest.approx(0.013)
+    assert t.answer(0.020, 2) == pytest.approx(0.020) and t.free_at == pytest.approx(0.022)
+    t.stats_burst(0.021, 5)
+    assert t.take(0.025) == pytest.approx(0.042)  # behind the stats, till 0.032
+    assert t.busy_s == pytest.approx(0.035) and (t.chunks, t.stats) == (5, 5)
+    assert t.chunk_s == pytest.approx(0.005) and t.stats_s == pytest.approx(0.010)
+
+
+def test_chunks_are_counted_as_a_replica_coalesces_them():
+    """router.coalesce_ms 20 / coalesce_tokens 16: a chunk holds 1 + ceil(20 ms / step) tokens, at most 16."""
+    assert chunks_for(79, 25.0, 20.0, 16) == 40  # a 25 ms step: 2 tokens a chunk
+    assert chunks_for(79, 5.0, 20.0, 16) == 16  # 5 tokens a chunk
+    assert chunks_for(79, 0.5, 20.0, 16) == 5  # the token cap
+    assert chunks_for(79, 5.0, 0.0, 16) == 79  # no coalescing: a chunk a token
+    assert chunks_for(0, 5.0, 20.0, 16) == 0 and chunks_for(3, 0.0, 20.0, 16) == 1  # no step time yet: the cap
+
+
+def costed(chunk: float = 0.0, stats: float = 0.0, routers: int = 1, cost: float = 0.0):
+    sim = Simulation(site(), steady(60, "20s"), routers=routers, router_cost=cost, router_chunk_cost=chunk,
+                     router_stats_cost=stats, static=True)
+    s = sim.run()
+    assert s["lost"] == 0 and s["failed"] == 0, s["errors"]
+    return sim, s
+
+
+def test_token_chunks_cost_router_cpu_as_a_replica_streams_them():
+    """Each answer's chunks beyond the first cost the router thread chunk_cost: its busy time grows with the
+    chunk cost (none at 0), by the chunks a real replica would send (tens a request for ~150 tokens), and
+    the summary's CPU per request and sustainable rate count them."""
+    free_sim, free = costed()
+    runs = {c: costed(chunk=c) for c in (100e-6, 200e-6)}
+    r0 = free["routers"]
+    assert r0["per_router"][0]["load"] == 0 and r0["per_router"][0]["utilisation"] == 0 and r0["capacity_per_s"] is None
+    # ~150 tokens at ~21 ms a step: 2-3 tokens a chunk; counted even when free
+    assert 30 < r0["chunks_per_request"] < 100, r0["chunks_per_request"]
+    loads = {}
+    for c, (sim, s) in runs.items():
+        r, t = s["routers"], sim.router.threads[0]
+        # the same workload: about the same chunks (answers held behind busy threads shift routing a little)
+        assert r["chunks_per_request"] == pytest.approx(r0["chunks_per_request"], rel=0.1)
+        assert t.chunk_s == pytest.approx(t.chunks * c) and t.busy_s == pytest.approx(t.chunk_s)
+        assert r["cpu_per_request_s"] == pytest.approx(r["chunks_per_request"] * c, rel=0.01)
+        assert r["capacity_per_s"] == pytest.approx(1 / r["cpu_per_request_s"], rel=0.01)
+        loads[c] = r["per_router"][0]["utilisation"]
+    # ~60 requests/s x ~58 chunks x 100 us: a third of the thread, twice that at twice the cost
+    assert 0.2 < loads[100e-6] and loads[200e-6] == pytest.approx(2 * loads[100e-6], rel=0.1), loads
+
+
+def test_every_routers_thread_pays_for_every_replicas_stats():
+    """stats_cost alone: each router is busy replicas / replica_heartbeat x stats_cost of its time (every
+    replica's stats reach every router, however many), and nothing when it is 0."""
+    for n in (1, 2):
+        sim, s = costed(stats=1e-3, routers=n)
+        expected = len(sim.replicas) / sim.site.router.replica_heartbeat * 1e-3
+        assert expected > 0.05
+        for p in s["routers"]["per_router"]:
+            assert p["utilisation"] == pytest.approx(expected, rel=0.05) and p["stats"] > 0, (p, expected)
+        assert s["routers"]["stats_share"] == pytest.approx(expected, rel=0.05)
+    _, free = costed()
+    assert free["routers"]["per_router"][0]["stats_cpu_s"] == 0 and free["routers"]["stats_share"] == 0
 
 
 def test_cli_simulate_routers_options(tmp_path):
@@ -119,6 +185,9 @@ def test_cli_simulate_routers_options(tmp_path):
                      "--router-cost-us", "500", "--router-pick", "sticky", "--out", str(out)]) == 0
     r = json.loads((out / "report.json").read_text())["summary"]["routers"]
     assert r["count"] == 2 and r["cost_per_request_s"] == pytest.approx(500e-6) and r["pick"] == "sticky"
+    assert r["chunk_cost_s"] == pytest.approx(CHUNK_COST_S) and r["stats_cost_s"] == pytest.approx(STATS_COST_S)
     assert sum(p["routed"] for p in r["per_router"]) > 100 and all(p["routed"] > 0 for p in r["per_router"])
     assert "## Routers: 2, 500 us of CPU a request, gateways sticky" in (out / "report.md").read_text()
     assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--routers", "0"]) == 2
+    assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--router-chunk-cost-us", "-1"]) == 2
+    assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--router-stats-cost-us", "-1"]) == 2
