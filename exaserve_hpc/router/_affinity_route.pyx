@@ -45,6 +45,8 @@ cdef list sample(list items, exclude, Py_ssize_t k, rng):
     cdef list picked = [], ids = []
     if n == 0:
         return picked
+    if k >= n:  # all of them (a small pool compared whole): no draws
+        return [c for c in items if c.replica_id not in exclude]
     getrandbits, bits = rng.getrandbits, n.bit_length()
     for tries in range(4 * k + 4):
         i = getrandbits(bits)
@@ -96,7 +98,7 @@ def route(policy, pool, exclude, key):
         if min_match > 1:
             matches = [(r, d) for r, d in matches if d >= min_match]
     rng = policy.balance.rng
-    drawn = sample(members, exclude, w.samples, rng)
+    drawn = sample(members, exclude, len(members) if len(members) <= s.compare_all_up_to else w.samples, rng)
     if not matches and not drawn:
         return Decision(None, reason="none")
     prompt = key.prompt_tokens if key is not None else 0

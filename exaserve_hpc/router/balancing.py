@@ -319,6 +319,8 @@ class PowerOfTwo(RoutingPolicy):
         n = len(items)
         if n == 0:
             return []
+        if k >= n:  # all of them (a small pool compared whole): no draws
+            return [c for c in items if c.replica_id not in exclude]
         # randrange(n) inlined (same draws, same stream): its two Python-level calls cost more than the rest.
         getrandbits, bits = self.rng.getrandbits, n.bit_length()
         picked: list[ReplicaLoad] = []

@@ -215,3 +215,25 @@ def test_cost_constants_come_from_the_timing_model():
     # attention: 32k uncached tokens cost more than 4x 8k, and cached tokens before them add to it
     assert policy.cost(idle, 32768, 0.0, 32768) > 4.2 * policy.cost(idle, 8192, 0.0, 8192)
     assert policy.cost(idle, 1024, 0.0, 30000) > policy.cost(idle, 1024, 0.0, 1024)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_small_pool_is_compared_whole_so_the_least_loaded_replica_is_never_missed(compiled):
+    """With nothing cached, each decision takes the cheapest of all 16 replicas (a pool of at most
+    compare_all_up_to); a draw of 4 would miss the one idle replica three times in four."""
+    import random
+    rng = random.Random(7)
+    pool = pool_of(16)
+    p = PrefixAffinity(AffinitySettings(block_size=BLOCK, weights=WeightSettings(explore=0.0)), seed=5,
+                       compiled=compiled)
+    drawn_only = PrefixAffinity(AffinitySettings(block_size=BLOCK, weights=WeightSettings(explore=0.0),
+                                                 compare_all_up_to=8), seed=5, compiled=compiled)
+    missed = 0
+    for i in range(200):
+        for c in pool:
+            c.outstanding = rng.randrange(2, 9)
+        idle = pool[rng.randrange(16)]
+        idle.outstanding = 0
+        assert p.route(pool, key=p.routing_key(prompt(i, 3))).replica_id == idle.replica_id
+        missed += drawn_only.route(pool, key=drawn_only.routing_key(prompt(i, 3))).replica_id != idle.replica_id
+    assert missed > 100  # what comparing 4 drawn replicas costs here

@@ -154,6 +154,7 @@ def _pool(rng: random.Random, n: int) -> ReplicaPool:
     {"matches": 1, "weights": WeightSettings(samples=2, explore=0.5, latency_cap=2.0)},  # the probe share
     {"max_load_factor": 1.0},  # a tight load bound: often no candidate within it (the least loaded)
     {"max_load_factor": 1.5, "weights": WeightSettings(samples=3, explore=0.5)},  # the probe share within it
+    {"compare_all_up_to": 64, "weights": WeightSettings(samples=4, explore=0.5)},  # the pool of 40 compared whole
 ])
 def test_compiled_route_makes_the_references_decisions(variant):
     rng = random.Random(len(variant))
