@@ -3,7 +3,8 @@ behind one thread that spends the measured router CPU per request, per token chu
 message (sim/routers.py).
 
     python benchmarks/bench_router_scaleout_sim.py [--site exa256-a100] [--duration 30] [--routers 1 2 4]
-        [--cost-us 47] [--chunk-cost-us C] [--stats-cost-us S] [--pick round_robin|sticky]
+        [--cost-us 47] [--chunk-cost-us C] [--stats-cost-us S] [--coalesce-ms 20] [--coalesce-tokens 16]
+        [--pick round_robin|sticky]
         [--prefix-mode approximate|precise] [--json OUT]
 
 Where two cores cannot run several router threads side by side, this shows what sharing the fleet does at
@@ -92,6 +93,9 @@ def main() -> int:
     p.add_argument("--prefix-mode", choices=["approximate", "precise"], default="approximate")
     p.add_argument("--index-blocks", type=int, help="router.index_blocks (default: the site's): at exa256's rate "
                                                      "one router's approximate index drops a generation every few s")
+    p.add_argument("--coalesce-ms", type=float, help="router.coalesce_ms (default: the site's): a replica's chunks "
+                                                     "are fewer the longer it holds tokens back")
+    p.add_argument("--coalesce-tokens", type=int, help="router.coalesce_tokens (default: the site's)")
     p.add_argument("--no-reference", action="store_true", help="skip the one-router, no-cost reference run")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
@@ -99,13 +103,17 @@ def main() -> int:
     data["router"]["prefix_mode"] = args.prefix_mode
     if args.index_blocks:
         data["router"]["index_blocks"] = args.index_blocks
+    for key in ("coalesce_ms", "coalesce_tokens"):
+        if getattr(args, key) is not None:
+            data["router"][key] = getattr(args, key)
     site = parse_site(data)
     wl = workload(args.site, args.duration, args.qps)
     cost = args.cost_us * 1e-6 if args.cost_us is not None else (
         ROUTER_COST_S if args.site.startswith("exa256") else PEAK_LOAD / args.qps)
     chunk_cost, stats_cost = args.chunk_cost_us * 1e-6, args.stats_cost_us * 1e-6
     print(f"{args.site}, {wl.name} over {args.duration:g} s (peak in the middle), {1e6 * cost:g} us of router CPU "
-          f"a request, {args.chunk_cost_us:g} us a further chunk, {args.stats_cost_us:g} us a stats message, gateways {args.pick}, prefix mode {args.prefix_mode}, index {site.router.index_blocks:,} "
+          f"a request, {args.chunk_cost_us:g} us a further chunk (coalesced at {site.router.coalesce_ms:g} ms / "
+          f"{site.router.coalesce_tokens} tokens), {args.stats_cost_us:g} us a stats message, gateways {args.pick}, prefix mode {args.prefix_mode}, index {site.router.index_blocks:,} "
           f"blocks; SLO TTFT p99 {wl.slo_ttft_p99:g} s")
     results, ok = {}, True
     if not args.no_reference:

@@ -23,13 +23,17 @@ benchmarks/bench_router_throughput.py:
   while the thread is busy and is routed `cost` seconds after it started, when the real thread would send it;
 - each further token chunk of its answer (`chunk_cost`, --router-chunk-cost-us; the benchmark's
   --compare-chunks slope): the simulated replicas report a stream in a few messages (the first token,
-  progress every few seconds, the finish), so each report is charged the chunks a real replica's coalescer
-  (agent/replica_main.py ChunkCoalescer) would have sent for its tokens under router.coalesce_ms /
-  coalesce_tokens at the replica's step time (`chunks_for`); an answer that finds its thread busy waits
-  behind the work queued before it (TTFT includes that wait), one that finds it idle is passed on at once;
+  progress every few seconds, the finish), far fewer than a real replica's coalescer (agent/replica_main.py
+  ChunkCoalescer) sends, so a stream is charged the chunks that one would send for its output under
+  router.coalesce_ms / coalesce_tokens at the replica's step time (`chunks_for`). They are charged when its
+  first token reaches the router, queued behind it: the same CPU as over the decode (seconds), and spread
+  as the requests are, where charging each simulated report would lump the chunks of every stream at the
+  replicas' (synchronised) progress reports. Every answer that finds its thread busy waits behind the work
+  queued before it (TTFT includes that wait); one that finds it idle is passed on at once;
 - each ReplicaStats message (`stats_cost`, --router-stats-cost-us; the benchmark's --stats-rate): every
-  replica's stats reach every router each router.replica_heartbeat, charged to each thread at the tick (a
-  burst, where real replicas' reports are spread over the second: the same CPU, queued a little longer).
+  replica's stats reach every router each router.replica_heartbeat; their CPU is charged to each thread in
+  STATS_SLICES slices over the heartbeat (real replicas' reports are spread over it, the simulated ones
+  come together).
 KV events (precise mode) and the dispatchers' ticks cost nothing here. With every cost 0 a request is
 routed and answered the moment it arrives (the simulator before routers had a cost).
 """
@@ -62,6 +66,7 @@ CHUNK_COST_S = 7.6e-6
 # a router busy with requests pays less per message, so this errs against the router (<= 10% of a thread).
 # benchmarks/bench_router_throughput.py --stats-rate 1 8, same day and machine.
 STATS_COST_S = 31.5e-6
+STATS_SLICES = 10  # a heartbeat's stats CPU in this many slices, spread over it
 PICKS = ("round_robin", "sticky")
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: block ids are spaced by powers of two, `% n` alone would not spread
 
@@ -111,21 +116,20 @@ class RouterThread:
             self.held_peak = self.held
         return self.free_at
 
-    def answer(self, now: float, chunks: int) -> float:
-        """A replica's answer worth `chunks` chunks beyond the first arrives: when the thread has handled it
-        (FIFO behind what it holds). One that finds the thread idle is handed on at `now` (its few us are
-        not worth an event); with free routers every answer is."""
+    def answer(self, now: float, chunks: int = 0) -> float:
+        """A replica's answer arrives: when the thread has handled it (FIFO behind what it holds; one that
+        finds the thread idle is handed on at `now`, its few us not worth an event; with free routers every
+        answer is). `chunks`: with a stream's first answer, the chunks a replica will send after it, whose CPU
+        is queued behind it now (see the module's docstring)."""
         self.chunks += chunks
         if self.cost <= 0 and self.chunk_cost <= 0:
             return now
         work = chunks * self.chunk_cost
         self.chunk_s += work
         self.busy_s += work
-        if self.free_at <= now:
-            self.free_at = now + work
-            return now
-        self.free_at += work
-        return self.free_at
+        handled = self.free_at if self.free_at > now else now
+        self.free_at = handled + work
+        return handled
 
     def stats_burst(self, now: float, messages: int) -> None:
         """`messages` ReplicaStats reach the thread at `now`: their CPU, queued before later work."""

@@ -41,7 +41,7 @@ from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
 from .fleet import SimAgent
 from .metrics import Recorder
 from .replica import SharedGpus, SimSeq
-from .routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, SimRouters
+from .routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, STATS_SLICES, SimRouters
 from .workload import Workload, arrivals
 
 
@@ -182,10 +182,11 @@ class Simulation:
             info = requests.get(seq.request_id)
             if info is None:
                 continue  # ended at the gateway already (its router would drop the late answer)
-            thread = info[3]  # the answer goes to the router that sent the request
-            if kind == "first":  # its handling is in the request's cost
-                chunk, chunks = TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
-                                           finish_reason="length" if seq.max_tokens <= 1 else None), 0
+            thread, chunks = info[3], 0  # the answer goes to the router that sent the request
+            if kind == "first":  # its handling is in the request's cost; the stream's further chunks are charged
+                chunk = TokenChunk(request_id=seq.request_id, token_ids=[0], finished=seq.max_tokens <= 1,
+                                   finish_reason="length" if seq.max_tokens <= 1 else None)
+                chunks = self.router.chunks(seq.max_tokens - 1, replica.latency_ewma_ms)
             elif kind == "progress":
                 chunk = TokenChunk(request_id=seq.request_id, token_ids=[0] * seq.progress)
             elif seq.max_tokens > 1:
@@ -193,8 +194,6 @@ class Simulation:
                                    finished=True, finish_reason="length")
             else:
                 continue
-            if kind != "first":  # one report here is the chunks a real replica streams for its tokens
-                chunks = self.router.chunks(len(chunk.token_ids), replica.latency_ewma_ms)
             at = thread.answer(now, chunks)
             if at <= now:
                 out += thread.dispatcher.on_replica_message(rid, chunk, now)
@@ -274,7 +273,10 @@ class Simulation:
         out = []
         for rid, message in stats:  # every replica's stats reach every router
             out += self.router.broadcast(rid, message, now)
-        self.router.stats_reached(now, len(stats))
+        hb, n = self.site.router.replica_heartbeat, len(stats)
+        for k in range(STATS_SLICES):  # their CPU spread over the heartbeat, as real replicas' reports are
+            self.later(now + k * hb / STATS_SLICES, self.router.stats_reached,
+                       n * (k + 1) // STATS_SLICES - n * k // STATS_SLICES)
         out += self.router.tick(now)
         self._send(out)
         self.later(now + self.site.router.replica_heartbeat, self._router_tick)

@@ -111,11 +111,12 @@ def test_router_thread_is_a_fifo_server_and_settings_are_checked():
         SimRouters(site(), {MODEL}, lambda: 0.0, count=2, pick="dns")
     with pytest.raises(ValueError, match="per chunk must be >= 0"):
         SimRouters(site(), {MODEL}, lambda: 0.0, chunk_cost=-1e-6)
-    # answers and stats queue on the same thread: an answer behind a request waits, then takes its chunks'
-    # CPU; one finding the thread idle goes at once; a stats burst delays what comes after it
+    # answers and stats queue on the same thread: a stream's first answer behind a request waits for it, then
+    # its further chunks' CPU is queued; one finding the thread idle goes at once; stats delay what follows
     t = RouterThread(0, dispatcher=None, cost=0.010, chunk_cost=0.001, stats_cost=0.002)
     assert t.take(0.0) == pytest.approx(0.010)
-    assert t.answer(0.005, 3) == pytest.approx(0.013)
+    assert t.answer(0.005, 3) == pytest.approx(0.010) and t.free_at == pytest.approx(0.013)
+    assert t.answer(0.011) == pytest.approx(0.013)  # a later answer: behind those chunks, no CPU of its own
     assert t.answer(0.020, 2) == pytest.approx(0.020) and t.free_at == pytest.approx(0.022)
     t.stats_burst(0.021, 5)
     assert t.take(0.025) == pytest.approx(0.042)  # behind the stats, till 0.032
