@@ -91,8 +91,8 @@ class AffinitySettings:
     # Bounded loads: a replica whose requests before their first token would exceed max(1, this x the pool's
     # mean of them, this request included) is not chosen while a candidate within it is; 0: no cap. Off by
     # default: in bench_router_trace (Mooncake 3,000 and the tenant trace, 70-95% load) every factor tried
-    # (1.5-4) raised mean TTFT (at 95%: 0.73 s -> 0.78/0.86/1.00 s at 3/2/1.5 on Mooncake) by giving up cache
-    # hits, while it cut the time some replica's queue spent above 3x the mean (28% -> 20/11/11% of reports).
+    # (1.5-4) raised mean TTFT (Mooncake at 95%: 0.70 s -> 0.72/0.76 s at 3/2) by giving up cache hits, while
+    # it cut the time some replica's queue spent above 3x the mean (29% -> 16/6% of reports).
     max_load_factor: float = 0.0
     # 4 drawn candidates besides the holders: in bench_router_trace (h200, 4,000 requests) 2 cost 3-6% mean TTFT.
     weights: WeightSettings = field(default_factory=lambda: WeightSettings(samples=4))
