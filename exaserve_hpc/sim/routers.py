@@ -277,6 +277,8 @@ class SimRouters:
         """The arrivals' window opens ("start") or closes ("end"): what each thread had taken and spent."""
         for t in self.threads:
             t.marks[name] = (t.busy_s, t.busy_until(now), t.stats_s)
+            if name == "start":  # sample intervals count from here: the stats before are no interval's
+                t.busy_sampled, t.routed_sampled = t.busy_until(now), t.routed
 
     def summary(self, start: float, end: float) -> dict:
         """Per router over the arrivals' window [start, end): load (CPU-seconds of work taken per second:

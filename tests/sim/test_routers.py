@@ -40,6 +40,7 @@ def test_one_saturated_router_queues_and_two_do_not():
     assert len(r1) == 1 and len(r2) == 2
     assert r1[0]["load"] > 1.4 and r1[0]["utilisation"] > 0.99 and r1[0]["queue_peak"] > 500
     assert r1[0]["routed_per_s_peak"] <= 1 / cost + 1  # a thread routes no faster than its cost allows
+    assert r1[0]["utilisation_peak"] <= 1 + 1e-9  # nor is busier than all the time (stats before the start apart)
     assert all(0.45 < p["share"] < 0.55 and p["load"] < 0.8 and p["queue_peak"] < 50 for p in r2), r2
     assert sum(p["routed"] for p in r2) == two["accepted"]
     assert one["ttft_mean_s"] > 10 * two["ttft_mean_s"] and one["ttft_mean_s"] > 2.0, (one["ttft_mean_s"],
