@@ -174,6 +174,8 @@ def test_every_routers_thread_pays_for_every_replicas_stats():
         assert expected > 0.05
         for p in s["routers"]["per_router"]:
             assert p["utilisation"] == pytest.approx(expected, rel=0.05) and p["stats"] > 0, (p, expected)
+            # spread over each heartbeat, and only the window's: no sample interval holds the stats before it
+            assert p["utilisation_peak"] < 1.3 * expected, (p, expected)
         assert s["routers"]["stats_share"] == pytest.approx(expected, rel=0.05)
     _, free = costed()
     assert free["routers"]["per_router"][0]["stats_cpu_s"] == 0 and free["routers"]["stats_share"] == 0
