@@ -3,7 +3,8 @@
     python benchmarks/bench_router_throughput.py [--replicas 3072] [--rounds 5] [--seconds 4]
         [--policy prefix_affinity] [--window 256] [--routers 1] [--pure-python] [--chunks 1]
     python benchmarks/bench_router_throughput.py --compare-chunks 1 8 [--rounds 5]
-    python benchmarks/bench_router_throughput.py --stats-rate 1 4 [--rounds 5] [--seconds 8]
+    python benchmarks/bench_router_throughput.py --compare-stats 8 [--rounds 5]
+    python benchmarks/bench_router_throughput.py --stats-rate 1 8 [--rounds 5] [--seconds 6]
 
 The workload is the served one at the seed's scale:
 - 3,072 replica sockets (``--replicas``) in two echo processes; each answers a
@@ -54,10 +55,14 @@ each round and reports the slope, the router's CPU per added chunk (the
 simulator's --router-chunk-cost-us). The K chunks of an answer reach the
 router back to back here, where a real stream's are spread over its decode;
 at load the router's drain loop batches chunks of many streams instead.
-``--stats-rate HZ [HZ ...]`` sends no requests: every replica socket sends
-ReplicaStats HZ times a second (router.replica_heartbeat is 1 s), and the
-router's CPU beyond its idle CPU (measured for 2 s before) per message is
-reported (the simulator's --router-stats-cost-us).
+``--compare-stats HZ`` runs one router serving requests without, then with
+every replica sending ReplicaStats HZ times a second in each round, and
+reports the router's CPU per stats message while it routes (the simulator's
+--router-stats-cost-us). ``--stats-rate HZ [HZ ...]`` sends no requests:
+every replica socket sends ReplicaStats HZ times a second
+(router.replica_heartbeat is 1 s), and the router's CPU beyond its idle CPU
+(measured for 2 s before) per message is reported: an idle router pays more
+a message, for waking up for a few at a time.
 """
 
 from __future__ import annotations
@@ -109,7 +114,8 @@ def next_turns(seed: int, count: int, firsts: list[list[int]]) -> list[list[int]
 def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: int = 1, stats=None) -> None:
     """Many replica sockets in one process. envelope: behind zmq.proxy (its identity frame kept).
     chunks: token chunks per answer, the last one finished. stats: (rate per replica per second, a start
-    Event, a shared count of stats sent): once the event is set every socket sends ReplicaStats at that rate."""
+    Event, a shared count of stats sent, alone): once the event is set every socket sends ReplicaStats at that
+    rate, beside answering requests (alone: no requests come)."""
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, len(ids) + 64)
     poller = zmq.Poller()
@@ -129,10 +135,17 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: 
     finished = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4], finished=True, finish_reason="length"))
     # the chunks before the last, each as a replica's coalescer flushes them (a few tokens, not finished)
     partial = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4]))
-    if stats is not None:
-        _stats_loop(socks, ids, *stats)  # no requests come meanwhile
+    pacer = None if stats is None else StatsPacer(socks, ids, *stats[:3])
+    if stats is not None and stats[3]:
+        stats[1].wait()
+        pacer.start()
+        while True:  # no requests come
+            pacer.send_due()
+            time.sleep(0.002)
     while True:
-        for sock, _ in poller.poll():
+        if pacer is not None and pacer.started is None and stats[1].is_set():
+            pacer.start()
+        for sock, _ in poller.poll(None if pacer is None else 2):
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -142,24 +155,32 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: 
                 for _ in range(chunks - 1):
                     sock.send_multipart(envelope_frames + [partial.replace(b"\xa0", header, 1)])
                 sock.send_multipart(envelope_frames + [finished.replace(b"\xa0", header, 1)])
+        if pacer is not None and pacer.started is not None:
+            pacer.send_due()
 
 
-def _stats_loop(socks: list, ids: list[str], rate: float, go, sent_count) -> None:
-    """Every socket sends ReplicaStats `rate` times a second (round-robin, paced), as StatusReporters do,
-    once `go` is set; `sent_count` (shared with the parent) counts them."""
-    bodies = [encode(ReplicaStats(replica_id=rid, queue_depth=3, running=17, kv_used=0.42, latency_ewma_ms=23.5,
-                                  tokens_generated=123456, requests_finished=4321, prefix_hit_tokens=654321,
-                                  prefix_query_tokens=987654, kv_blocks_cached=2048, ttft_ms_p50=85.0,
-                                  ttft_ms_p99=410.0, tpot_ms_p50=22.0, tpot_ms_p99=41.0)) for rid in ids]
-    go.wait()
-    sent, start, n = 0, time.perf_counter(), len(socks)
-    while True:
-        due = int(rate * n * (time.perf_counter() - start))
-        while sent < due:
-            socks[sent % n].send(bodies[sent % n])
-            sent += 1
-        sent_count.value = sent
-        time.sleep(0.002)
+class StatsPacer:
+    """Every socket sends ReplicaStats `rate` times a second (round-robin, paced), as StatusReporters do;
+    `sent_count` (shared with the parent) counts them."""
+
+    def __init__(self, socks: list, ids: list[str], rate: float, go, sent_count):
+        self.socks, self.rate, self.sent_count = socks, rate, sent_count
+        self.bodies = [encode(ReplicaStats(
+            replica_id=rid, queue_depth=3, running=17, kv_used=0.42, latency_ewma_ms=23.5, tokens_generated=123456,
+            requests_finished=4321, prefix_hit_tokens=654321, prefix_query_tokens=987654, kv_blocks_cached=2048,
+            ttft_ms_p50=85.0, ttft_ms_p99=410.0, tpot_ms_p50=22.0, tpot_ms_p99=41.0)) for rid in ids]
+        self.sent, self.started = 0, None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def send_due(self) -> None:
+        n = len(self.socks)
+        due = int(self.rate * n * (time.perf_counter() - self.started))
+        while self.sent < due:
+            self.socks[self.sent % n].send(self.bodies[self.sent % n])
+            self.sent += 1
+        self.sent_count.value = self.sent
 
 
 def _str_header(s: str) -> bytes:
@@ -168,7 +189,7 @@ def _str_header(s: str) -> bytes:
     return (bytes([0xA0 | len(raw)]) if len(raw) < 32 else b"\xd9" + bytes([len(raw)])) + raw
 
 
-def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
+def client(endpoints: list[str], hub_pids: list[int], args, result, stats_counts=()) -> None:
     hasher = AffinitySettings(block_size=BLOCK).hasher()  # as the gateway does
     turns = next_turns(args.seed, args.distinct, conversations(args.seed, args.conversations))
     hashed = [hasher(t) for t in turns]
@@ -246,14 +267,15 @@ def client(endpoints: list[str], hub_pids: list[int], args, result) -> None:
         for _ in range(args.window):
             send()
         pump(time.perf_counter() + 1.0)  # warm-up, not counted
-    cpu0 = sum(cpu_seconds(p) for p in hub_pids)
+    cpu0, stats0 = sum(cpu_seconds(p) for p in hub_pids), sum(c.value for c in stats_counts)
     started = time.perf_counter()
     counted = (paced if args.rate else pump)(started + args.seconds)
     elapsed = time.perf_counter() - started
     cpu = sum(cpu_seconds(p) for p in hub_pids) - cpu0
     if args.rate:
         cpu -= idle_per_s * elapsed
-    result.put((counted / elapsed, 1e6 * cpu / counted if counted else 0.0))
+    stats = sum(c.value for c in stats_counts) - stats0
+    result.put((counted / elapsed, 1e6 * cpu / counted if counted else 0.0, stats / elapsed))
 
 
 def run_proxy(endpoints) -> None:
@@ -306,8 +328,9 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def phase(kind: str, args) -> tuple[float, float]:
-    """(answers/s, hub CPU microseconds per answer over the counted window) of one phase."""
+def phase(kind: str, args, stats_rate: float = 0.0) -> tuple[float, float, float]:
+    """(answers/s, hub CPU microseconds per answer, stats messages/s) over the counted window of one phase.
+    stats_rate: every replica also sends ReplicaStats this many times a second (router phases)."""
     endpoints, ready = mp.Queue(), mp.Queue()
     hubs = []
     for _ in range(1 if kind == "proxy" else args.routers):
@@ -316,11 +339,15 @@ def phase(kind: str, args) -> tuple[float, float]:
         hub.start()
         hubs.append((hub, endpoints.get(timeout=60)))
     ids = [f"node{i // 8:03d}/gpu{i % 8}" for i in range(args.replicas)]
-    peers, echo_ready = [], mp.Queue()
+    peers, echo_ready, go, counts = [], mp.Queue(), mp.Event(), []
     for _, (_, backend) in hubs:  # every router reaches every replica: one socket per (replica, router)
         for k in range(ECHO_PROCESSES):
+            stats = None
+            if stats_rate and kind == "router":
+                counts.append(mp.Value("q", 0, lock=False))
+                stats = (stats_rate, go, counts[-1], False)
             p = mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], kind == "proxy", echo_ready,
-                                                       args.chunks), daemon=True)
+                                                       args.chunks, stats), daemon=True)
             p.start()
             peers.append(p)
     for _ in peers:
@@ -330,15 +357,16 @@ def phase(kind: str, args) -> tuple[float, float]:
     else:
         for _ in hubs:
             ready.get(timeout=300)  # every replica registered, the index warm
+    go.set()  # stats (if any) flow from here, through the client's idle second and warm-up
     result = mp.Queue()
-    c = mp.Process(target=client, args=([fe for _, (fe, _) in hubs], [h.pid for h, _ in hubs], args, result))
+    c = mp.Process(target=client, args=([fe for _, (fe, _) in hubs], [h.pid for h, _ in hubs], args, result, counts))
     c.start()
-    rate, cpu = result.get(timeout=args.seconds + 300)
+    rate, cpu, stats = result.get(timeout=args.seconds + 300)
     c.join()
     for p in [*peers, *(h for h, _ in hubs)]:
         p.terminate()
         p.join()
-    return rate, cpu
+    return rate, cpu, stats
 
 
 def stats_phase(args, rate: float) -> tuple[float, float]:
@@ -353,7 +381,7 @@ def stats_phase(args, rate: float) -> tuple[float, float]:
     go = mp.Event()
     counts = [mp.Value("q", 0, lock=False) for _ in range(ECHO_PROCESSES)]
     peers = [mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], False, echo_ready, 1,
-                                                    (rate, go, counts[k])), daemon=True)
+                                                    (rate, go, counts[k], True)), daemon=True)
              for k in range(ECHO_PROCESSES)]
     for p in peers:
         p.start()
@@ -410,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the proxy comparison: no requests; every replica sends ReplicaStats this "
                              "many times a second (several rates: taken in turn each round) and the router's CPU "
                              "per stats message is reported (router.replica_heartbeat 1 s: 1 a second)")
+    parser.add_argument("--compare-stats", type=float, metavar="HZ",
+                        help="instead of the proxy comparison: each round runs one router serving requests without, "
+                             "then with every replica sending ReplicaStats HZ times a second, and reports the "
+                             "router's CPU per stats message while it routes")
     args = parser.parse_args(argv)
     if args.chunks < 1 or (args.compare_chunks and min(args.compare_chunks) < 1):
         parser.error("--chunks and --compare-chunks take 1 or more chunks an answer")
@@ -420,11 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         return compare_chunks(args, policy)
     if args.stats_rate:
         return stats_costs(args, policy)
+    if args.compare_stats:
+        return compare_stats(args, policy)
     label = f"{args.routers} x ZmqRouter ({policy})" if args.routers > 1 else f"ZmqRouter ({policy})"
     ratios, cpu_ratios, proxy_cpus, router_cpus, rates = [], [], [], [], []
     for i in range(args.rounds):
-        proxy, proxy_cpu = phase("proxy", args)
-        router, router_cpu = phase("router", args)
+        proxy, proxy_cpu, _ = phase("proxy", args)
+        router, router_cpu, _ = phase("router", args)
         ratios.append(router / proxy)
         cpu_ratios.append(router_cpu / proxy_cpu if proxy_cpu else float("inf"))
         proxy_cpus.append(proxy_cpu)
@@ -454,7 +488,7 @@ def compare_routers(args, policy: str) -> int:
         for n in counts:
             args.routers = n
             args.rate = each * n if args.per_router else each
-            rate, cpu = phase("router", args)
+            rate, cpu, _ = phase("router", args)
             rates[n].append(rate)
             cpus[n].append(cpu)
             line.append(f"{n} router(s) {rate:7.0f} req/s, {cpu:5.1f} us CPU each")
@@ -480,7 +514,7 @@ def compare_chunks(args, policy: str) -> int:
         line = []
         for k in (k1, k2):
             args.chunks = k
-            rate, cpu = phase("router", args)
+            rate, cpu, _ = phase("router", args)
             rates[k].append(rate)
             cpus[k].append(cpu)
             line.append(f"{k} chunk(s) {rate:7.0f} req/s, {cpu:5.1f} us CPU a request")
@@ -493,6 +527,28 @@ def compare_chunks(args, policy: str) -> int:
         print(f"{k} chunk(s) an answer: {spread(rates[k], '.0f')} req/s; router CPU per request "
               f"{spread(cpus[k], '.1f')} us, per chunk {spread([c / k for c in cpus[k]], '.1f')} us")
     print(f"marginal router CPU per chunk (slope {k1} -> {k2} chunks, per round): {spread(slopes, '.1f')} us")
+    return 0
+
+
+def compare_stats(args, policy: str) -> int:
+    """One router serving requests (closed loop), without then with every replica sending stats at
+    --compare-stats HZ in each round: the router's CPU per stats message while it is busy with requests
+    (its CPU beyond what the requests cost in the round without stats, per stats message)."""
+    hz = args.compare_stats
+    marginal, rows = [], []
+    for i in range(args.rounds):
+        rate0, cpu0, _ = phase("router", args)
+        rate1, cpu1, stats = phase("router", args, hz)
+        marginal.append((cpu1 - cpu0) * rate1 / stats if stats else float("nan"))
+        rows.append((rate0, cpu0, rate1, cpu1, stats))
+        print(f"round {i + 1}: no stats {rate0:7.0f} req/s, {cpu0:5.1f} us CPU a request   stats {hz:g}/s a replica "
+              f"({stats:6.0f}/s) {rate1:7.0f} req/s, {cpu1:5.1f} us CPU a request   -> {marginal[-1]:.1f} us a stats "
+              "message", flush=True)
+    print(f"{args.replicas} replicas, ZmqRouter ({policy}), closed loop, {args.window} requests in flight, "
+          f"{args.rounds} rounds")
+    print(f"CPU per request without stats {spread([r[1] for r in rows], '.1f')} us, with "
+          f"{spread([r[3] for r in rows], '.1f')} us; router CPU per stats message while routing: "
+          f"{spread(marginal, '.1f')} us")
     return 0
 
 

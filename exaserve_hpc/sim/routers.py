@@ -30,7 +30,7 @@ benchmarks/bench_router_throughput.py:
   as the requests are, where charging each simulated report would lump the chunks of every stream at the
   replicas' (synchronised) progress reports. Every answer that finds its thread busy waits behind the work
   queued before it (TTFT includes that wait); one that finds it idle is passed on at once;
-- each ReplicaStats message (`stats_cost`, --router-stats-cost-us; the benchmark's --stats-rate): every
+- each ReplicaStats message (`stats_cost`, --router-stats-cost-us; the benchmark's --compare-stats): every
   replica's stats reach every router each router.replica_heartbeat; their CPU is charged to each thread in
   STATS_SLICES slices over the heartbeat (real replicas' reports are spread over it, the simulated ones
   come together).
@@ -51,21 +51,22 @@ from ..router.router_group import merge_snapshots
 # Router CPU per request: benchmarks/bench_router_throughput.py, prefix affinity with the compiled index and
 # decision, 3,072 replica sockets, varied prompts (sent packed, as gateways do), warm index, recording
 # included: 46.8 us against 25.7 us for zmq.proxy (median of 7 rounds; README, Benchmarks, 2026-12-01 on the
-# 2-core machine; 72 us before prompts were packed). One thread therefore routes at most ~21,400
-# requests/s: exa256-mix's peak (~21,800 req/s) offers it 1.02 CPU-seconds a second.
+# 2-core machine; 72 us before prompts were packed), each answered by one chunk. Alone it would let one
+# thread route ~21,400 requests/s; with a stream's chunks (~40 more a request on exa256-mix, below) a
+# request costs ~355 us and a thread routes ~2,700 a second, less what the stats take.
 ROUTER_COST_S = 47e-6
 # Router CPU per token chunk beyond a request's first: the slope between answers of 1 and 8 chunks, same
 # run, 5 alternating rounds: 7.6 us (rounds 6.5-10.7; 42.3 us a request at 1 chunk, 98.1 at 8);
 # benchmarks/bench_router_throughput.py --compare-chunks 1 8, 3,072 replicas, 2026-12-01, 2-core machine
 # with the other core busy elsewhere. Token chunks are what a streamed answer is mostly made of.
 CHUNK_COST_S = 7.6e-6
-# Router CPU per ReplicaStats message: 3,072 replicas reporting once a second (router.replica_heartbeat)
-# to an otherwise idle router, its idle CPU left out: 31.5 us (3 rounds 24.4-35.3), mostly the thread
-# waking for a few messages at a time; at 8 a second a replica (24,600 messages/s) 13.3 us, and the
-# decode + Dispatcher.on_replica_message alone ~1.9 us in-process. The figure at the real rate is taken:
-# a router busy with requests pays less per message, so this errs against the router (<= 10% of a thread).
-# benchmarks/bench_router_throughput.py --stats-rate 1 8, same day and machine.
-STATS_COST_S = 31.5e-6
+# Router CPU per ReplicaStats message while the router routes (what a router near saturation pays): one
+# router serving requests without, then with every replica sending stats 8 times a second (24,600 a second),
+# 5 alternating rounds: 12.4 us beyond the requests' CPU (rounds 8.9-13.5), same day and machine
+# (benchmarks/bench_router_throughput.py --compare-stats 8). An otherwise idle router pays more, 31.5 us
+# at 1 a second a replica (--stats-rate 1: 5 rounds 30.4-38.0), for waking for a few at a time, with CPU to
+# spare; the decode + Dispatcher.on_replica_message alone take ~1.9 us in-process, the rest is the sockets.
+STATS_COST_S = 12.4e-6
 STATS_SLICES = 10  # a heartbeat's stats CPU in this many slices, spread over it
 PICKS = ("round_robin", "sticky")
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: block ids are spaced by powers of two, `% n` alone would not spread

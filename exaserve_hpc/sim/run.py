@@ -170,7 +170,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser, site_help: str) -> N
     parser.add_argument("--router-stats-cost-us", type=float, default=STATS_COST_S * 1e6,
                         help="router CPU per ReplicaStats message, every replica's reaching every router each "
                              f"router.replica_heartbeat (default {STATS_COST_S * 1e6:g}: "
-                             "benchmarks/bench_router_throughput.py --stats-rate 1)")
+                             "benchmarks/bench_router_throughput.py --compare-stats 8)")
     parser.add_argument("--router-pick", choices=PICKS, default="round_robin",
                         help="how requests spread over the routers' gateways: round_robin (a load balancer) or "
                              "sticky (a prefix's requests keep to one gateway)")
