@@ -130,7 +130,11 @@ def write_report(out: Path, summary: dict, samples, events, t0: float, wall_s: f
     routers = summary.get("routers")
     if routers:
         cost = routers["cost_per_request_s"]
-        lines += ["", f"## Routers: {routers['count']}, {1e6 * cost:.0f} us of CPU a request, gateways "
+        chunks = (f", {1e6 * routers['chunk_cost_s']:.1f} us a further chunk ({routers['chunks_per_request']:.1f} "
+                  f"chunks a request), {1e6 * routers['stats_cost_s']:.1f} us a stats message: "
+                  f"{1e6 * routers['cpu_per_request_s']:.0f} us a request in all"
+                  if routers.get("chunk_cost_s") or routers.get("stats_cost_s") else "")
+        lines += ["", f"## Routers: {routers['count']}, {1e6 * cost:.0f} us of CPU a request{chunks}, gateways "
                       f"{routers['pick']}", "",
                   "| router | requests routed | share | load (CPU-s/s) | utilisation (peak interval) | queue peak "
                   "| wait mean / max |", "|---|---|---|---|---|---|---|"]

@@ -191,7 +191,9 @@ def test_cli_simulate_routers_options(tmp_path):
     assert r["count"] == 2 and r["cost_per_request_s"] == pytest.approx(500e-6) and r["pick"] == "sticky"
     assert r["chunk_cost_s"] == pytest.approx(CHUNK_COST_S) and r["stats_cost_s"] == pytest.approx(STATS_COST_S)
     assert sum(p["routed"] for p in r["per_router"]) > 100 and all(p["routed"] > 0 for p in r["per_router"])
-    assert "## Routers: 2, 500 us of CPU a request, gateways sticky" in (out / "report.md").read_text()
+    heading = next(line for line in (out / "report.md").read_text().splitlines() if line.startswith("## Routers"))
+    assert heading.startswith(f"## Routers: 2, 500 us of CPU a request, {1e6 * CHUNK_COST_S:.1f} us a further chunk (")
+    assert f"{1e6 * STATS_COST_S:.1f} us a stats message: " in heading and heading.endswith("gateways sticky")
     assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--routers", "0"]) == 2
     assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--router-chunk-cost-us", "-1"]) == 2
     assert cli.main(["simulate", "--site", "small16-a100", "--workload", "tiny", "--router-stats-cost-us", "-1"]) == 2
