@@ -49,6 +49,18 @@ def two_router_site(tmp_path: Path, name: str) -> Path:
     return site_file
 
 
+def rank_logs(logs: list[Path]) -> str:
+    """Every rank's output, for a failed assertion's message."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs if p.exists())
+
+
+def kill_ranks(ranks: list[subprocess.Popen]) -> None:
+    """Whatever a test left running: each rank's whole process group."""
+    for r in ranks:
+        if r.poll() is None:
+            os.killpg(r.pid, signal.SIGKILL)
+
+
 def listed_gateways(job_dir: Path) -> list[str]:
     """The gateways the job directory lists (serve.json), router 0's first."""
     try:
@@ -70,7 +82,7 @@ def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
     job_dir = tmp_path / "job"
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]), start_rank(site_file, job_dir, 1, "nodeb", logs[1])]
-    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    output = lambda: rank_logs(logs)  # noqa: E731
     try:
         assert wait_for(lambda: len(listed_gateways(job_dir)) == 2 or any(r.poll() is not None for r in ranks), 90,
                         "both gateways listed in the job directory") and len(listed_gateways(job_dir)) == 2, output()
@@ -111,9 +123,7 @@ def test_a_router_per_rank_and_losing_rank_1_leaves_rank_0_serving(tmp_path):
         os.kill(ranks[0].pid, signal.SIGUSR1)
         assert ranks[0].wait(timeout=60) == 0, output()
     finally:
-        for r in ranks:
-            if r.poll() is None:
-                os.killpg(r.pid, signal.SIGKILL)
+        kill_ranks(ranks)
 
 
 def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_started_before_it(tmp_path):
@@ -125,7 +135,7 @@ def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_star
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     ranks = [start_rank(site_file, job_dir, 0, "nodea", logs[0]),
              start_rank(site_file, job_dir, 1, "nodeb", logs[1], late_router=20)]
-    output = lambda: "\n".join(f"--- {p.name}\n{p.read_text()}" for p in logs)  # noqa: E731
+    output = lambda: rank_logs(logs)  # noqa: E731
 
     gateways = lambda: listed_gateways(job_dir)  # noqa: E731
     try:
@@ -146,9 +156,7 @@ def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_star
         os.kill(ranks[0].pid, signal.SIGUSR1)
         assert ranks[0].wait(timeout=60) == 0, output()
     finally:
-        for r in ranks:
-            if r.poll() is None:
-                os.killpg(r.pid, signal.SIGKILL)
+        kill_ranks(ranks)
 
 
 def test_more_routers_than_nodes_is_refused_naming_the_setting():

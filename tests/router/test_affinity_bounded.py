@@ -16,14 +16,7 @@ from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.policies import make_policy, policy_for_site
 
-BLOCK = 16
-
-
-def pool_of(n: int, batch: int = 32) -> ReplicaPool:
-    pool = ReplicaPool()
-    for i in range(n):
-        pool.add(ReplicaLoad(f"r{i}", "m", 0, batch))
-    return pool
+from test_affinity import BLOCK, pool_of  # the same block size and pool of idle replicas
 
 
 def policy(factor: float, samples: int = 4, explore: float = 0.0, compiled: bool = True) -> PrefixAffinity:
