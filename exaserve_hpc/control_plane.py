@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import metrics
+from .agent import faults
 from .addresses import AddressError, http_url, resolve_listen
 from .config import SiteConfig
 from .control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
@@ -337,6 +338,12 @@ class ControlPlane:
         # Write now, while every replica is still placed: agents may get the same signal and drain theirs.
         threading.Thread(target=self.checkpoint_once, name="exaserve-stop-checkpoint", daemon=True).start()
 
+    def _on_early_signal(self, sig: int, frame) -> None:
+        self._on_signal(sig)
+        self._stop_asked = True
+        if self.server is not None:
+            self.server.should_exit = True
+
     def checkpoint_once(self) -> None:
         with self._checkpointed:
             if not self._checkpoint_done:
@@ -344,9 +351,17 @@ class ControlPlane:
                 self.keeper.save()
 
     def run(self) -> int:
+        # serve.json says the server is up: from then on a signal must stop it gracefully, also in the
+        # moment before the gateway's own handlers are in place (the default for USR1 and TERM is death).
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._on_early_signal)
         state_file = write_state(Path(self.settings.state_dir), self.url, self.site, self.routers_table())
         if self.routers is not None:  # routers of other ranks join later: list them as they come
             self.routers.on_change = lambda: write_state(state_file.parent, self.url, self.site, self.routers_table())
+        late = faults.delay("gateway_late")
+        if late:  # a test's window between serve.json and the gateway's own signal handlers
+            time.sleep(late)
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      timeout_graceful_shutdown=10, access_log=False)

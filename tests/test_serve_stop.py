@@ -75,3 +75,27 @@ def test_a_restarted_serve_restores_the_checkpoint_and_writes_it_periodically(tm
         if process.poll() is None:
             process.kill()
     assert os.path.exists(tmp_path / "run" / CHECKPOINT_FILE)
+
+
+def test_a_stop_signal_just_after_serve_json_is_written_still_stops_gracefully(tmp_path):
+    """serve.json tells a script the server is up: a USR1 from then on, before the gateway's own handlers
+    exist (widened here to 3 s by the gateway_late fault step), must drain and exit 0, not kill."""
+    site_file = write_local_site(tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(site_file),
+                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "EXASERVE_INJECT_FAILURE": "gateway_late:3"})
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "run" / "serve.json").exists() and process.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "run" / "serve.json").exists(), "serve did not start"
+        process.send_signal(signal.SIGUSR1)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert code == 0, output
+    assert "SIGUSR1 received" in output and (tmp_path / "run" / CHECKPOINT_FILE).exists(), output
+    assert not (tmp_path / "run" / "serve.json").exists()

@@ -5,7 +5,8 @@ L3 -> L2) and ``load_timeout[:N]`` (the first N L3 -> L2 attempts hang until
 cancelled; no N: every attempt). Steps the replica process checks:
 ``loading``, ``initializing``, ``warming``, ``registering``, ``serving``,
 ``draining``. A router rank checks ``router_late:S`` (it registers its router S seconds after its
-agent starts, not before: a router that comes after placement). Unset (the normal case), every check
+agent starts, not before: a router that comes after placement). The control plane checks
+``gateway_late:S`` (its gateway starts S seconds after serve.json is written). Unset (the normal case), every check
 is a no-op.
 """
 
