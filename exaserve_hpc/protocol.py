@@ -7,9 +7,9 @@ ROUTER sockets add the peer identity frame in front.
 
 Who sends what:
   gateway  -> router     GenerateRequest, Abort
-  router   -> gateway    TokenChunk, RequestError
+  router   -> gateway    TokenChunk, TokenChunks (to a gateway that asked for them), RequestError
   router   -> replica    GenerateRequest, Abort, Drain, SayHello, Routers
-  replica  -> router     ReplicaHello, ReplicaStats (also its heartbeat), TokenChunk,
+  replica  -> router     ReplicaHello, ReplicaStats (also its heartbeat), TokenChunk, TokenChunks,
                          RequestError, ReplicaBye
   agent    -> controller AgentHello, AgentHeartbeat, ReplicaEvent, LoadFailed
   controller -> agent    StartReplica, StopReplica, Shutdown, Prefetch
@@ -57,6 +57,8 @@ class GenerateRequest(_Msg, tag="gen"):
     # the replica's decode is cheaper too. `decode` unpacks them, so receivers see plain lists.
     prompt_packed: bytes = b""
     hashes_packed: bytes = b""
+    # The sender reads TokenChunks: the router may send it this request's chunks batched with others'.
+    batch_replies: bool = False
 
 
 class Abort(_Msg, tag="abort"):
@@ -71,6 +73,14 @@ class TokenChunk(_Msg, tag="chunk"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     replica_id: str = ""
+
+
+class TokenChunks(_Msg, tag="chunks"):
+    """Several requests' chunks in one frame, each meaning what it would alone, in order: a replica's
+    from one pass of its loop to one router, a router's to one gateway (one that set batch_replies).
+    A frame, its receive and its send cost a router about as much as routing the chunk inside it, and a
+    replica's engine step yields a chunk for every running request at once (README: router CPU)."""
+    chunks: list[TokenChunk]
 
 
 class RequestError(_Msg, tag="err"):
@@ -332,7 +342,7 @@ class LoadFailed(_Msg, tag="load_failed"):
 
 
 Message = Union[
-    GenerateRequest, Abort, TokenChunk, RequestError,
+    GenerateRequest, Abort, TokenChunk, TokenChunks, RequestError,
     ReplicaHello, ReplicaStats, ReplicaBye, Drain, SayHello, Routers,
     AgentHello, AgentHeartbeat, ReplicaEvent, StartReplica, StopReplica, Shutdown,
     Prefetch, LoadFailed, HeartbeatAck, StageHello, StageTable,

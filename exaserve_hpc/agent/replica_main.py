@@ -225,6 +225,7 @@ class ReplicaServer:
     def run(self) -> None:
         next_stats = 0.0
         stepped = False
+        chunks: list[TokenChunk] = []
         while True:
             # Poll without waiting while the engine produces tokens; wait 1 ms while it holds
             # requests back (its max_wait_ms batching window), 50 ms when idle.
@@ -243,11 +244,13 @@ class ReplicaServer:
                     if output.finished:
                         self._running_ids.discard(output.request_id)
                     if chunk is not None:
-                        self._send(chunk)
+                        chunks.append(chunk)
             else:
                 stepped = False
-            for chunk in self.coalescer.due(now):
-                self._send(chunk)
+            chunks += self.coalescer.due(now)
+            if chunks:  # a step's chunks (one per running request) in one frame per router
+                self.links.send_chunks(chunks)
+                chunks = []
             if now >= next_stats:
                 self._send_stats()
                 next_stats = now + self.spec.stats_interval

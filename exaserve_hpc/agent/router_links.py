@@ -6,6 +6,7 @@
         for message in links.receive(256):  # requests remember the router they came from
             ...
     links.send(chunk)                     # a request's chunks and errors go back to that router only
+    links.send_chunks(chunks)             # one pass's chunks: one frame per router (TokenChunks)
 
 Several routers share the fleet (router.count > 1): each must see every replica (the hello), its load
 (the engine's queue depth and running requests in each ReplicaStats, which also keeps the replica alive
@@ -34,8 +35,8 @@ from typing import Iterator, Optional
 import zmq
 
 from ..protocol import (
-    Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, Routers, SayHello, TokenChunk, decode,
-    encode,
+    Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, Routers, SayHello, TokenChunk,
+    TokenChunks, decode, encode,
 )
 
 log = logging.getLogger("exaserve.replica")
@@ -145,6 +146,23 @@ class RouterLinks:
         if isinstance(message, RequestError) or (isinstance(message, TokenChunk) and message.finished):
             self._origin.pop(request_id, None)
         self._send_to(index, encode(message))
+
+    def send_chunks(self, chunks: list[TokenChunk]) -> None:
+        """Chunks of one pass of the replica's loop: one frame per router (TokenChunks where it holds more
+        than one), each request's chunk to the router that sent the request."""
+        if not chunks:
+            return
+        if not self.several:
+            self.sockets[0].send(encode(chunks[0] if len(chunks) == 1 else TokenChunks(chunks=chunks)))
+            return
+        groups: dict[int, list[TokenChunk]] = {}
+        for chunk in chunks:
+            index = self._origin.get(chunk.request_id, 0)
+            if chunk.finished:
+                self._origin.pop(chunk.request_id, None)
+            groups.setdefault(index, []).append(chunk)
+        for index, group in groups.items():
+            self._send_to(index, encode(group[0] if len(group) == 1 else TokenChunks(chunks=group)))
 
     def broadcast(self, message: Message) -> None:
         if message.__class__ is ReplicaHello:

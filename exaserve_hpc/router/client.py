@@ -13,10 +13,13 @@ import asyncio
 import logging
 from typing import AsyncIterator, Callable, Optional
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from ..protocol import Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, decode, encode, pack_request
+from ..protocol import (
+    Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, TokenChunks, decode, encode, pack_request,
+)
 from .backend import BackendError, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,8 @@ class RouterClient:
         self._queues[request.request_id] = queue
         finished = False
         try:
-            await self._socket.send(encode(pack_request(request)))  # prompt and hashes as two bins
+            # Prompt and hashes as two bins; replies may come batched (TokenChunks), which _read_replies takes.
+            await self._socket.send(encode(msgspec.structs.replace(pack_request(request), batch_replies=True)))
             while True:
                 try:
                     # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that meets a reply
@@ -101,6 +105,12 @@ class RouterClient:
                 message = decode(frame)
             except DecodeError as exc:
                 log.warning("undecodable reply from the router: %s", exc)
+                continue
+            if message.__class__ is TokenChunks:
+                for chunk in message.chunks:
+                    queue = self._queues.get(chunk.request_id)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
                 continue
             queue = self._queues.get(getattr(message, "request_id", ""))
             if queue is not None:

@@ -137,6 +137,17 @@ class Dispatcher:
         entry.last_seen = now
         return self._on_chunk(replica_id, chunk, now)
 
+    def on_chunks(self, replica_id: str, chunks: list[TokenChunk], now: float) -> list[Outgoing]:
+        """A replica's TokenChunks: `on_chunk` for each, in order."""
+        entry = self.replicas.get(replica_id)
+        if entry is None:
+            return []
+        entry.last_seen = now
+        out: list[Outgoing] = []
+        for chunk in chunks:
+            out += self._on_chunk(replica_id, chunk, now)
+        return out
+
     def register(self, replica_id: str, hello: ReplicaHello, now: float) -> list[Outgoing]:
         if replica_id in self.replicas:  # it restarted under the same id: its cache is new
             self._unregister(replica_id)

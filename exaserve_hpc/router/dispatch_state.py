@@ -109,6 +109,7 @@ class RoutedRequest(msgspec.Struct, tag_field="t", tag="gen", omit_defaults=True
     prefix_scheme: str = ""
     prompt_packed: bytes = b""
     hashes_packed: bytes = b""
+    batch_replies: bool = False
 
     @property
     def prompt_token_ids(self) -> PromptTokens:

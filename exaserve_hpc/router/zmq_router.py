@@ -19,6 +19,12 @@ The thread polls both sockets with a short timeout, hands every decoded
 message to the transport-free `Dispatcher`, sends what it returns, and runs
 `Dispatcher.tick` for expiries (Paranoid Pirate style).
 
+Token chunks travel batched where both ends can: a replica sends one pass's chunks as one TokenChunks
+frame, and a gateway whose requests set batch_replies (the gateway's RouterClient does) gets the chunks
+of one burst of incoming messages as one TokenChunks frame, in order with its other replies. A frame
+costs the thread about as much as routing the chunk inside it (README: router CPU). Other frontend
+peers (native clients, tests) get one TokenChunk a frame, as before.
+
 Backpressure towards a gateway: a reply its connection cannot take now
 (EAGAIN: its pipe is at the high-water mark, the gateway's loop is behind) is
 never dropped. It waits in that gateway's backlog, with every later reply to
@@ -47,7 +53,7 @@ import msgspec
 import zmq
 
 from ..engine.kv_events import AllBlocksCleared, decode_batch
-from ..protocol import Abort, DecodeError, Message, ReplicaHello, RequestError, TokenChunk
+from ..protocol import Abort, DecodeError, Message, ReplicaHello, RequestError, TokenChunk, TokenChunks
 from .dispatch import GATEWAY, Dispatcher, Outgoing, RoutedRequest
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,7 @@ class ZmqRouter:
         self.frontend.setsockopt(zmq.SNDHWM, gateway_hwm)  # before bind: connections take it when they come
         self.gateway_backlog = gateway_backlog
         self._backlogs: dict[bytes, deque] = {}  # gateway identity -> replies waiting for room, oldest first
+        self._batched_peers: set[bytes] = set()  # gateways whose requests said batch_replies: sent TokenChunks
         # Requests failed for a full backlog: replies for them still in the batch being sent are dropped
         # (the dispatcher forgot them, so no others come); forgotten once that gateway's backlog is flushed.
         self._failed_for_backlog: set[str] = set()
@@ -250,6 +257,8 @@ class ZmqRouter:
     def _on_frontend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
         message = _frontend_decoder.decode(payload)
         if message.__class__ is RoutedRequest:
+            if message.batch_replies:
+                self._batched_peers.add(peer)
             return self.dispatcher.on_request(peer, message, self.clock(), payload)
         if isinstance(message, Abort):
             return self.dispatcher.on_abort(message.request_id)
@@ -259,7 +268,9 @@ class ZmqRouter:
     def _on_backend(self, peer: bytes, payload: memoryview) -> list[Outgoing]:
         message = _backend_decode(payload)
         replica_id = peer.decode(errors="replace")
-        if message.__class__ is TokenChunk:  # most of what replicas send: straight to its handler
+        if message.__class__ is TokenChunks:  # most of what replicas send: straight to its handler
+            return self.dispatcher.on_chunks(replica_id, message.chunks, self.clock())
+        if message.__class__ is TokenChunk:
             return self.dispatcher.on_chunk(replica_id, message, self.clock())
         if isinstance(message, ReplicaHello) and message.kv_events_endpoint and self.dispatcher.follows_kv_events:
             self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
@@ -311,8 +322,17 @@ class ZmqRouter:
                 future.set_exception(exc)
 
     def _send(self, outgoing: list[Outgoing]) -> None:
+        batches: Optional[dict[bytes, list[TokenChunk]]] = None  # per gateway that reads TokenChunks
         for out in outgoing:
             if out.side == GATEWAY:
+                peer = out.peer
+                if out.message.__class__ is TokenChunk and peer in self._batched_peers and peer not in self._backlogs:
+                    if batches is None:
+                        batches = {}
+                    batches.setdefault(peer, []).append(out.message)
+                    continue
+                if batches and peer in batches:  # its chunks so far go first: a gateway's replies stay in order
+                    self._chunks_to_gateway(peer, batches.pop(peer))
                 backlog = self._backlogs.get(out.peer)
                 if backlog is not None:  # behind what already waits: a stream's chunks stay in order
                     self._hold(out.peer, backlog, out.message)
@@ -330,6 +350,9 @@ class ZmqRouter:
                     self._send(self.dispatcher.replica_lost(replica_id, "unreachable", self.clock()))
                     continue
                 log.warning("cannot send %s to replica %r: %s", type(out.message).__name__, out.peer[:32], exc)
+        if batches:
+            for peer, chunks in batches.items():
+                self._chunks_to_gateway(peer, chunks)
 
     # ---------------------------------------------------------------- backpressure towards gateways
 
@@ -346,6 +369,23 @@ class ZmqRouter:
         # The identity frame went, so the payload goes too: libzmq takes a multipart message whole.
         _send_frame(self.frontend, _encode(message), _NOBLOCK)
         return True
+
+    def _chunks_to_gateway(self, peer: bytes, chunks: list[TokenChunk]) -> None:
+        """Chunks for one gateway that reads TokenChunks: one frame; held one by one if its pipe is full."""
+        if len(chunks) == 1:
+            self._to_gateway(peer, chunks[0])
+            return
+        try:
+            _send_frame(self.frontend, peer, _MORE_NOBLOCK)
+        except zmq.Again:
+            backlog = self._backlogs.setdefault(peer, deque())
+            for chunk in chunks:
+                self._hold(peer, backlog, chunk)
+            return
+        except zmq.ZMQError as exc:
+            self._gateway_gone(peer, chunks[0], exc, len(chunks))
+            return
+        _send_frame(self.frontend, _encode(TokenChunks(chunks=chunks)), _NOBLOCK)
 
     def _hold(self, peer: bytes, backlog: deque, message) -> None:
         if message.request_id in self._failed_for_backlog:
@@ -396,4 +436,5 @@ class ZmqRouter:
     def _gateway_gone(self, peer: bytes, message, exc: zmq.ZMQError, count: int = 1) -> None:
         # A gateway that went away (EHOSTUNREACH) is not an error of ours: nobody is left to read this.
         self.backlog_counters["dropped_gateway_gone"] += count
+        self._batched_peers.discard(peer)
         log.warning("cannot send %d message(s) (%s) to gateway %r: %s", count, type(message).__name__, peer[:32], exc)

@@ -16,7 +16,7 @@ import zmq
 
 from exaserve_hpc.agent.node_agent import spawn_replica
 from exaserve_hpc.protocol import (
-    EngineSettings, GenerateRequest, RequestError, StartReplica, TokenChunk, decode, encode,
+    EngineSettings, GenerateRequest, RequestError, StartReplica, TokenChunk, TokenChunks, decode, encode,
 )
 from exaserve_hpc.router.balancing import RoundRobin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
@@ -49,8 +49,9 @@ def wait_for(predicate, timeout=20.0):
     raise AssertionError("condition not met in time")
 
 
-def flood(router: ZmqRouter, n: int, max_tokens: int, pause: float) -> dict:
-    """n requests from a gateway that reads nothing for `pause` seconds, then everything; what it got."""
+def flood(router: ZmqRouter, n: int, max_tokens: int, pause: float, batch: bool = False) -> dict:
+    """n requests from a gateway that reads nothing for `pause` seconds, then everything; what it got.
+    batch: the requests say batch_replies (as the gateway's RouterClient's do): replies may come as TokenChunks."""
     gateway = router.context.socket(zmq.DEALER)
     gateway.setsockopt(zmq.RCVHWM, 10)
     gateway.setsockopt(zmq.RCVBUF, 4096)  # before connect: the kernel buffer stays small as well
@@ -58,13 +59,19 @@ def flood(router: ZmqRouter, n: int, max_tokens: int, pause: float) -> dict:
     ids = [uuid.uuid4().hex for _ in range(n)]
     for rid in ids:
         gateway.send(encode(GenerateRequest(request_id=rid, model="echo", prompt_token_ids=[256, 65, 66, 67],
-                                            max_tokens=max_tokens)))
+                                            max_tokens=max_tokens, batch_replies=batch)))
     time.sleep(pause)  # the replicas go on generating; the router's pipe to us fills
     got = {rid: {"tokens": 0, "finished": False, "error": None} for rid in ids}
     deadline = time.monotonic() + 60
+    batched_frames = 0
     while not all(g["finished"] or g["error"] for g in got.values()) and time.monotonic() < deadline:
-        if gateway.poll(200):
-            message = decode(gateway.recv())
+        if not gateway.poll(200):
+            continue
+        frame = decode(gateway.recv())
+        if isinstance(frame, TokenChunks):
+            assert batch, "TokenChunks to a gateway that did not ask for them"
+            batched_frames += 1
+        for message in frame.chunks if isinstance(frame, TokenChunks) else [frame]:
             entry = got[message.request_id]
             assert not entry["finished"] and not entry["error"], f"a reply after the end of {message.request_id}"
             if isinstance(message, RequestError):
@@ -74,6 +81,8 @@ def flood(router: ZmqRouter, n: int, max_tokens: int, pause: float) -> dict:
                 entry["tokens"] += len(message.token_ids)
                 entry["finished"] = message.finished
     gateway.close(linger=0)
+    if batch:
+        assert batched_frames > 0, "no TokenChunks came: nothing batched was tested"
     return got
 
 
@@ -86,12 +95,13 @@ def replicas():
         replica.process.wait(10)
 
 
-def test_a_gateway_that_falls_behind_loses_no_chunk(replicas):
+@pytest.mark.parametrize("batch", [False, True], ids=["chunk-a-frame", "batched"])
+def test_a_gateway_that_falls_behind_loses_no_chunk(replicas, batch):
     router = start_router()
     try:
         replicas += [start_echo(router, f"echo/r{i}") for i in range(2)]
         wait_for(lambda: len(router.snapshot()["replicas"]) == 2)
-        got = flood(router, n=40, max_tokens=1500, pause=3.0)
+        got = flood(router, n=40, max_tokens=1500, pause=3.0, batch=batch)
         assert router.backlog_counters["backlogged"] > 0, "the gateway's pipe never filled: nothing was tested"
         incomplete = {rid: g for rid, g in got.items() if not g["finished"] or g["tokens"] != 1500}
         assert not incomplete, f"{len(incomplete)} streams lost chunks or their end: {list(incomplete.values())[:3]}"
