@@ -2,7 +2,7 @@
 
     python benchmarks/bench_router_throughput.py [--replicas 3072] [--rounds 5] [--seconds 4]
         [--policy prefix_affinity] [--window 256] [--routers 1] [--pure-python] [--chunks 1]
-    python benchmarks/bench_router_throughput.py --compare-chunks 1 8 [--rounds 5]
+    python benchmarks/bench_router_throughput.py --compare-chunks 1 8 [--rounds 5] [--batched]
     python benchmarks/bench_router_throughput.py --compare-stats 8 [--rounds 5]
     python benchmarks/bench_router_throughput.py --stats-rate 1 8 [--rounds 5] [--seconds 6]
 
@@ -55,6 +55,11 @@ each round and reports the slope, the router's CPU per added chunk (the
 simulator's --router-chunk-cost-us). The K chunks of an answer reach the
 router back to back here, where a real stream's are spread over its decode;
 at load the router's drain loop batches chunks of many streams instead.
+With ``--batched`` each round also runs K1 and K2 the way replicas and the gateway send chunks when
+serving: an echo replica sends an answer's K - 1 partial chunks as one TokenChunks frame (a replica
+sends one frame per pass of its loop with a chunk for each running request: K - 1 stands for that
+batch), and the client's requests say batch_replies, so the router sends it TokenChunks too; both
+slopes and their ratio are reported, measured side by side.
 ``--compare-stats HZ`` runs one router serving requests without, then with
 every replica sending ReplicaStats HZ times a second in each round, and
 reports the router's CPU per stats message while it routes (the simulator's
@@ -79,7 +84,9 @@ from array import array
 import msgspec
 import zmq
 
-from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, encode, pack_request
+from exaserve_hpc.protocol import (
+    GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, TokenChunks, encode, pack_request,
+)
 from exaserve_hpc.router.affinity import AffinitySettings
 
 BLOCK = 16
@@ -93,6 +100,8 @@ class _Gen(msgspec.Struct, tag_field="t", tag="gen"):
 
 
 _echo_decoder = msgspec.msgpack.Decoder(_Gen)
+_chunks_decoder = msgspec.msgpack.Decoder(TokenChunks)
+_CHUNKS_TAG = encode(TokenChunks(chunks=[]))[1:8]  # a map's first key and value: "t": "chunks"
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -111,9 +120,11 @@ def next_turns(seed: int, count: int, firsts: list[list[int]]) -> list[list[int]
     return [rng.choice(firsts) + _tokens(rng, 128) for _ in range(count)]
 
 
-def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: int = 1, stats=None) -> None:
+def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: int = 1, stats=None,
+                  batched: bool = False) -> None:
     """Many replica sockets in one process. envelope: behind zmq.proxy (its identity frame kept).
-    chunks: token chunks per answer, the last one finished. stats: (rate per replica per second, a start
+    chunks: token chunks per answer, the last one finished; batched: the ones before the last in one
+    TokenChunks frame. stats: (rate per replica per second, a start
     Event, a shared count of stats sent, alone): once the event is set every socket sends ReplicaStats at that
     rate, beside answering requests (alone: no requests come)."""
     ctx = zmq.Context()
@@ -135,6 +146,11 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: 
     finished = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4], finished=True, finish_reason="length"))
     # the chunks before the last, each as a replica's coalescer flushes them (a few tokens, not finished)
     partial = encode(TokenChunk(request_id="", token_ids=[1, 2, 3, 4]))
+    partials = 1 if batched else chunks - 1  # frames before the finished one
+    if batched and chunks > 2:  # an empty string (0xa0) only where each chunk's request id goes
+        partial = encode(TokenChunks(chunks=[TokenChunk(request_id="", token_ids=[1, 2, 3, 4])] * (chunks - 1)))
+    elif chunks == 1:
+        partials = 0
     pacer = None if stats is None else StatsPacer(socks, ids, *stats[:3])
     if stats is not None and stats[3]:
         stats[1].wait()
@@ -152,8 +168,8 @@ def echo_replicas(endpoint: str, ids: list[str], envelope: bool, ready, chunks: 
                 except zmq.Again:
                     break
                 header, envelope_frames = _str_header(_echo_decoder.decode(frames[-1]).request_id), frames[:-1]
-                for _ in range(chunks - 1):
-                    sock.send_multipart(envelope_frames + [partial.replace(b"\xa0", header, 1)])
+                for _ in range(partials):
+                    sock.send_multipart(envelope_frames + [partial.replace(b"\xa0", header)])
                 sock.send_multipart(envelope_frames + [finished.replace(b"\xa0", header, 1)])
         if pacer is not None and pacer.started is not None:
             pacer.send_due()
@@ -195,7 +211,8 @@ def client(endpoints: list[str], hub_pids: list[int], args, result, stats_counts
     hashed = [hasher(t) for t in turns]
     # Pre-encoded with distinct ids: an id comes back around only after `distinct` sends (>> window).
     bodies = [encode(pack_request(GenerateRequest(request_id=f"q{i}", model="echo", prompt_token_ids=t, max_tokens=4,
-                                                  prefix_hashes=h, prefix_scheme=hasher.scheme)))
+                                                  prefix_hashes=h, prefix_scheme=hasher.scheme,
+                                                  batch_replies=args.batched_now)))
               for i, (t, h) in enumerate(zip(turns, hashed))]
     ctx = zmq.Context()
     socks = []
@@ -220,12 +237,15 @@ def client(endpoints: list[str], hub_pids: list[int], args, result, stats_counts
         for sock, _ in poller.poll(timeout_ms):
             while True:
                 try:
-                    sock.recv(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                count += 1
+                # a TokenChunks frame (--batched) counts as the chunks in it; a lone chunk is not decoded
+                n = len(_chunks_decoder.decode(frame).chunks) if frame[1:8] == _CHUNKS_TAG else 1
+                count += n
                 if each is not None:
-                    each()
+                    for _ in range(n):
+                        each()
         return count
 
     # With --chunks K every request is answered by K messages: counted as one answer per K (the client
@@ -347,7 +367,7 @@ def phase(kind: str, args, stats_rate: float = 0.0) -> tuple[float, float, float
                 counts.append(mp.Value("q", 0, lock=False))
                 stats = (stats_rate, go, counts[-1], False)
             p = mp.Process(target=echo_replicas, args=(backend, ids[k::ECHO_PROCESSES], kind == "proxy", echo_ready,
-                                                       args.chunks, stats), daemon=True)
+                                                       args.chunks, stats, args.batched_now), daemon=True)
             p.start()
             peers.append(p)
     for _ in peers:
@@ -434,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-chunks", type=int, nargs=2, metavar=("K1", "K2"),
                         help="instead of the proxy comparison: each round runs one router with K1, then K2 chunks "
                              "an answer (e.g. 1 8) and reports the router's CPU per request and per added chunk")
+    parser.add_argument("--batched", action="store_true",
+                        help="with --compare-chunks: also run K1 and K2 with chunks batched as when serving (a "
+                             "replica's K - 1 partial chunks in one TokenChunks frame, the router's replies to the "
+                             "client as TokenChunks) and report both slopes side by side")
     parser.add_argument("--stats-rate", type=float, nargs="+", metavar="HZ",
                         help="instead of the proxy comparison: no requests; every replica sends ReplicaStats this "
                              "many times a second (several rates: taken in turn each round) and the router's CPU "
@@ -443,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                              "then with every replica sending ReplicaStats HZ times a second, and reports the "
                              "router's CPU per stats message while it routes")
     args = parser.parse_args(argv)
+    args.batched_now = False  # the phase being run sends chunks batched (--batched)
     if args.chunks < 1 or (args.compare_chunks and min(args.compare_chunks) < 1):
         parser.error("--chunks and --compare-chunks take 1 or more chunks an answer")
     policy = f"{args.policy}, pure Python" if args.pure_python else args.policy
@@ -506,27 +531,39 @@ def compare_routers(args, policy: str) -> int:
 
 
 def compare_chunks(args, policy: str) -> int:
-    """One router, answers of K1 then K2 chunks in each round: the marginal CPU of a chunk is the slope."""
+    """One router, answers of K1 then K2 chunks in each round: the marginal CPU of a chunk is the slope.
+    With --batched, the same again with chunks sent batched (replica and gateway), in the same round."""
     k1, k2 = args.compare_chunks
-    rates: dict[int, list[float]] = {k1: [], k2: []}
-    cpus: dict[int, list[float]] = {k1: [], k2: []}
+    modes = ("a chunk a frame", "batched") if args.batched else ("a chunk a frame",)
+    rates = {(m, k): [] for m in modes for k in (k1, k2)}
+    cpus = {(m, k): [] for m in modes for k in (k1, k2)}
     for i in range(args.rounds):
         line = []
-        for k in (k1, k2):
-            args.chunks = k
-            rate, cpu, _ = phase("router", args)
-            rates[k].append(rate)
-            cpus[k].append(cpu)
-            line.append(f"{k} chunk(s) {rate:7.0f} req/s, {cpu:5.1f} us CPU a request")
-        slope = (cpus[k2][-1] - cpus[k1][-1]) / (k2 - k1)
-        print(f"round {i + 1}: " + "   ".join(line) + f"   -> {slope:.1f} us a chunk", flush=True)
-    slopes = [(c2 - c1) / (k2 - k1) for c1, c2 in zip(cpus[k1], cpus[k2])]
+        for mode in modes:
+            args.batched_now = mode == "batched"
+            for k in (k1, k2):
+                args.chunks = k
+                rate, cpu, _ = phase("router", args)
+                rates[mode, k].append(rate)
+                cpus[mode, k].append(cpu)
+            slope = (cpus[mode, k2][-1] - cpus[mode, k1][-1]) / (k2 - k1)
+            line.append(f"{mode}: {k1} chunk(s) {cpus[mode, k1][-1]:5.1f} us, {k2} chunks {cpus[mode, k2][-1]:5.1f} us"
+                        f" -> {slope:.1f} us a chunk")
+        print(f"round {i + 1}: " + "   ".join(line), flush=True)
+    args.batched_now = False
     print(f"{args.replicas} replicas, ZmqRouter ({policy}), closed loop, {args.window} requests in flight, "
           f"{args.rounds} rounds")
-    for k in (k1, k2):
-        print(f"{k} chunk(s) an answer: {spread(rates[k], '.0f')} req/s; router CPU per request "
-              f"{spread(cpus[k], '.1f')} us, per chunk {spread([c / k for c in cpus[k]], '.1f')} us")
-    print(f"marginal router CPU per chunk (slope {k1} -> {k2} chunks, per round): {spread(slopes, '.1f')} us")
+    slopes = {}
+    for mode in modes:
+        for k in (k1, k2):
+            print(f"{mode}, {k} chunk(s) an answer: {spread(rates[mode, k], '.0f')} req/s; router CPU per request "
+                  f"{spread(cpus[mode, k], '.1f')} us, per chunk {spread([c / k for c in cpus[mode, k]], '.1f')} us")
+        slopes[mode] = [(c2 - c1) / (k2 - k1) for c1, c2 in zip(cpus[mode, k1], cpus[mode, k2])]
+        print(f"{mode}: marginal router CPU per chunk (slope {k1} -> {k2} chunks, per round): "
+              f"{spread(slopes[mode], '.1f')} us")
+    if args.batched:
+        ratios = [b / a for a, b in zip(slopes["a chunk a frame"], slopes["batched"]) if a > 0]
+        print(f"batched / a chunk a frame, per chunk, per round: {spread(ratios, '.2f')}")
     return 0
 
 
