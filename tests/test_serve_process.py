@@ -78,3 +78,50 @@ def test_serve_with_a_bad_site_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "serve", "--site", str(bad)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "models" in result.stderr
+
+
+def test_served_streams_reach_the_gateway_in_batched_frames(site_file):
+    """Under `exaserve serve` with the official client: concurrent streams' token chunks go replica -> router
+    and router -> gateway several to a frame (TokenChunks), as /metrics counts them, and every stream is whole."""
+    import threading
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(url: str) -> dict:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return {(s.name, s.labels.get("path")): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name.startswith(("exaserve_router_token_chunks",
+                                                              "exaserve_router_chunk_frames"))}
+
+    process, url, lines = start_serve(site_file)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        usage: list = []
+
+        def stream(k: int) -> None:
+            pieces = client.completions.create(model="tiny-llama", prompt=f"Story {k}: once upon a time",
+                                               max_tokens=96, stream=True, stream_options={"include_usage": True})
+            usage.extend(c.usage.completion_tokens for c in pieces if c.usage)
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(usage) == 12 and all(n >= 1 for n in usage), usage
+        deadline = time.monotonic() + 10  # the router publishes its counts a few times a second
+        while True:
+            counts = scrape(url)
+            if counts.get(("exaserve_router_token_chunks_total", "to_gateways"), 0) >= 12 or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for path in ("from_replicas", "to_gateways"):
+            chunks = counts[("exaserve_router_token_chunks_total", path)]
+            frames = counts[("exaserve_router_chunk_frames_total", path)]
+            assert chunks >= 12 and frames >= 1 and chunks > frames, (path, chunks, frames)
+    except BaseException:
+        process.kill()
+        raise
+    stop_serve(process, lines)

@@ -38,6 +38,7 @@ per node {node}: exaserve_node_up, exaserve_heartbeat_age_seconds, exaserve_node
   exaserve_gpu_utilization_ratio, exaserve_gpu_temperature_celsius, exaserve_gpu_power_watts
 cluster: exaserve_nodes{state}, exaserve_router_requests_total{outcome}, exaserve_router_retries_total,
   exaserve_router_breaker_opened_total, exaserve_router_decisions_total{reason},
+  exaserve_router_token_chunks_total{path}, exaserve_router_chunk_frames_total{path},
   exaserve_router_inflight_requests, exaserve_router_pending_requests, exaserve_replica_moves_in_progress,
   exaserve_oom_unresolved_devices, exaserve_job_restarts, exaserve_checkpoint_age_seconds,
   exaserve_checkpoint_interval_seconds, exaserve_checkpoint_failures_total
@@ -230,6 +231,14 @@ def _cluster_families(fleet: FleetReadings) -> list:
         family = _counter(name, doc)
         family.add_metric([], router.get(key, 0))
         out.append(family)
+    chunks = _counter("exaserve_router_token_chunks", "Token chunks the router passed on, by path "
+                      "(from_replicas, to_gateways).", ["path"])
+    frames = _counter("exaserve_router_chunk_frames", "Frames that carried them (one TokenChunks frame holds "
+                      "several): chunks per frame is what batching saves the router's thread.", ["path"])
+    for path in ("from_replicas", "to_gateways"):
+        chunks.add_metric([path], router.get(f"chunks_{path}", 0))
+        frames.add_metric([path], router.get(f"chunk_frames_{path}", 0))
+    out += [chunks, frames]
     decisions = _counter("exaserve_router_decisions", "Routing decisions by the policy's reason.", ["reason"])
     for reason, n in sorted(router.get("routing", {}).items()):
         decisions.add_metric([reason], n)

@@ -34,7 +34,8 @@ from typing import Callable, Optional, TypeVar
 T = TypeVar("T")
 
 SUMMED = ("accepted", "completed", "failed", "retries", "breaker_opened", "inflight", "pending",
-          "prefix_hit_tokens", "prefix_query_tokens")
+          "prefix_hit_tokens", "prefix_query_tokens", "chunks_from_replicas", "chunk_frames_from_replicas",
+          "chunks_to_gateways", "chunk_frames_to_gateways")
 
 
 def member_alive(member) -> bool:

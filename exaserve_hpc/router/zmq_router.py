@@ -113,6 +113,9 @@ class ZmqRouter:
         self.gateway_backlog = gateway_backlog
         self._backlogs: dict[bytes, deque] = {}  # gateway identity -> replies waiting for room, oldest first
         self._batched_peers: set[bytes] = set()  # gateways whose requests said batch_replies: sent TokenChunks
+        # Token chunks and the frames that carried them, from replicas and to gateways (snapshot, /metrics):
+        # chunks a frame is what batching saves (a frame costs the thread about as much as a chunk in it).
+        self.chunks_in = self.chunk_frames_in = self.chunks_out = self.chunk_frames_out = 0
         # Requests failed for a full backlog: replies for them still in the batch being sent are dropped
         # (the dispatcher forgot them, so no others come); forgotten once that gateway's backlog is flushed.
         self._failed_for_backlog: set[str] = set()
@@ -208,6 +211,8 @@ class ZmqRouter:
         snapshot = self.dispatcher.snapshot()
         # Backpressure towards the gateways: replies waiting now, and the counts since start.
         snapshot["gateway_backlog"] = {"waiting": sum(map(len, self._backlogs.values())), **self.backlog_counters}
+        snapshot.update(chunks_from_replicas=self.chunks_in, chunk_frames_from_replicas=self.chunk_frames_in,
+                        chunks_to_gateways=self.chunks_out, chunk_frames_to_gateways=self.chunk_frames_out)
         with self._snapshot_lock:
             self._snapshot = snapshot
 
@@ -269,8 +274,12 @@ class ZmqRouter:
         message = _backend_decode(payload)
         replica_id = peer.decode(errors="replace")
         if message.__class__ is TokenChunks:  # most of what replicas send: straight to its handler
+            self.chunk_frames_in += 1
+            self.chunks_in += len(message.chunks)
             return self.dispatcher.on_chunks(replica_id, message.chunks, self.clock())
         if message.__class__ is TokenChunk:
+            self.chunk_frames_in += 1
+            self.chunks_in += 1
             return self.dispatcher.on_chunk(replica_id, message, self.clock())
         if isinstance(message, ReplicaHello) and message.kv_events_endpoint and self.dispatcher.follows_kv_events:
             self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
@@ -368,6 +377,9 @@ class ZmqRouter:
             return True
         # The identity frame went, so the payload goes too: libzmq takes a multipart message whole.
         _send_frame(self.frontend, _encode(message), _NOBLOCK)
+        if message.__class__ is TokenChunk:
+            self.chunk_frames_out += 1
+            self.chunks_out += 1
         return True
 
     def _chunks_to_gateway(self, peer: bytes, chunks: list[TokenChunk]) -> None:
@@ -386,6 +398,8 @@ class ZmqRouter:
             self._gateway_gone(peer, chunks[0], exc, len(chunks))
             return
         _send_frame(self.frontend, _encode(TokenChunks(chunks=chunks)), _NOBLOCK)
+        self.chunk_frames_out += 1
+        self.chunks_out += len(chunks)
 
     def _hold(self, peer: bytes, backlog: deque, message) -> None:
         if message.request_id in self._failed_for_backlog:
@@ -427,6 +441,9 @@ class ZmqRouter:
                     break
                 _send_frame(self.frontend, _encode(message), _NOBLOCK)
                 backlog.popleft()
+                if message.__class__ is TokenChunk:
+                    self.chunk_frames_out += 1
+                    self.chunks_out += 1
             if not backlog:
                 del self._backlogs[peer]
                 if not self._backlogs:
