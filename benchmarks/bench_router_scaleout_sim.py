@@ -15,10 +15,12 @@ router is saturated at the peak (1.02 CPU-seconds a second) before any chunk or 
 replica streams beyond the first costs --chunk-cost-us more (the chunks a replica's coalescer sends for the
 answer's tokens: router.coalesce_ms / coalesce_tokens at its step time) and each replica's stats, reaching
 every router once a second, --stats-cost-us (defaults: sim/routers.py's measured CHUNK_COST_S and
-STATS_COST_S, on every site; 0 and 0 give the request-only model). With them (2026-12-01) a request costs
-~355 us (~40 chunks beyond the first at exa256-a100's step times and 20 ms coalescing) and the stats take
-3.8% of each router: together they sustain ~2,700 requests/s a router, so exa256-mix's peak saturates 1, 2
-and 4 routers and needs about 8 (busiest interval ~89%) to 12 (~60%). --site small16-a100
+STATS_COST_S, on every site; 0 and 0 give the request-only model). With them (2026-12-01, chunks sent
+batched: 2.5 us each) a request costs ~148 us (~40 chunks beyond the first at exa256-a100's step times and
+20 ms coalescing) and the stats take 3.8% of each router: together they sustain ~6,500 requests/s a
+router, so exa256-mix's peak saturates 1 and 2 routers, 3 hold it at 97% in the busiest interval, 4 at 75%
+and 6 at 51% (exa256-a100 ships 6). One chunk a frame (--chunk-cost-us 7.6, the figure before replicas
+and gateways batched them) needed 8 (89%) to 12 (60%). --site small16-a100
 runs the same shape in seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost
 with it (--cost-us default there 7,850 us: 1.57 CPU-seconds a second at the peak, a clearer saturation),
 which is what the tests do.
@@ -31,7 +33,7 @@ queue peak and share, TTFT mean / p99 (the router's queue is part of it), the pr
 against the reference's (approximate mode: each router knows only its own choices; a saturated router
 also changes the hit rate, by holding requests back), lost requests (target 0).
 Targets: 0 lost for every count; with more than one router each router's load below 1 (with chunks and
-stats charged, 2 and 4 routers miss it on exa256: pass --routers 8 12).
+stats charged, 2 routers miss it on exa256 (busiest interval 100%): pass --routers 3 4 6).
 """
 
 from __future__ import annotations

@@ -52,14 +52,19 @@ from ..router.router_group import merge_snapshots
 # decision, 3,072 replica sockets, varied prompts (sent packed, as gateways do), warm index, recording
 # included: 46.8 us against 25.7 us for zmq.proxy (median of 7 rounds; README, Benchmarks, 2026-12-01 on the
 # 2-core machine; 72 us before prompts were packed), each answered by one chunk. Alone it would let one
-# thread route ~21,400 requests/s; with a stream's chunks (~40 more a request on exa256-mix, below) a
-# request costs ~355 us and a thread routes ~2,700 a second, less what the stats take.
+# thread route ~21,400 requests/s; with a stream's chunks (~40 more a request on exa256-mix, below, sent
+# batched) a request costs ~147 us and a thread routes ~6,800 a second, less what the stats take.
 ROUTER_COST_S = 47e-6
-# Router CPU per token chunk beyond a request's first: the slope between answers of 1 and 8 chunks, same
-# run, 5 alternating rounds: 7.6 us (rounds 6.5-10.7; 42.3 us a request at 1 chunk, 98.1 at 8);
-# benchmarks/bench_router_throughput.py --compare-chunks 1 8, 3,072 replicas, 2026-12-01, 2-core machine
-# with the other core busy elsewhere. Token chunks are what a streamed answer is mostly made of.
-CHUNK_COST_S = 7.6e-6
+# Router CPU per token chunk beyond a request's first, sent batched as replicas and gateways send them
+# (protocol.TokenChunks: a replica's pass of its loop in one frame, the router's burst to a gateway in one):
+# the slope between answers of 1 and 9 chunks, the 8 before the last in one frame, 5 alternating rounds:
+# 2.5 us (rounds 1.1-2.7; 45.0 us a request at 1 chunk, 65.0 at 9). One chunk a frame, in the same rounds:
+# 5.6 us (5.0-6.5); batched / one a frame per round 0.41 (0.23-0.49). benchmarks/bench_router_throughput.py
+# --compare-chunks 1 9 --batched, 3,072 replicas, 2026-12-01, 2-core machine otherwise idle (the day before,
+# the other core busy, one chunk a frame measured 7.6 us). A replica's frame holds a chunk for each request it
+# streams at once: fewer than 8, each costs more; more, less. Token chunks are what a streamed answer is
+# mostly made of.
+CHUNK_COST_S = 2.5e-6
 # Router CPU per ReplicaStats message while the router routes (what a router near saturation pays): one
 # router serving requests without, then with every replica sending stats 8 times a second (24,600 a second),
 # 5 alternating rounds: 12.4 us beyond the requests' CPU (rounds 8.9-13.5), same day and machine
