@@ -5,13 +5,21 @@ gateway + router + ZeroMQ + replica loop's own), then drives it with
 concurrent HTTP clients and reports requests/s, p50 and p99 latency for
 non-streaming and streaming completions.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--requests 2000] [--concurrency 32]
+    .venv/bin/python benchmarks/bench_gateway.py [--requests 2000] [--concurrency 32] [--max-tokens 16 [256 ...]]
+
+Each phase also reports the serving process's CPU (gateway, router and controller: /proc) per request and
+the token chunks the router passed to the gateway per request (from /metrics,
+exaserve_router_token_chunks_total / exaserve_router_chunk_frames_total{path="to_gateways"}). With two or
+more --max-tokens the streaming phases give the process's CPU per further chunk (the slope): the gateway's
+share of it is that less the router's (benchmarks/bench_router_throughput.py --compare-chunks). The client
+runs on the same two cores: read CPU per request, not requests/s, as the server's cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 import subprocess
@@ -53,6 +61,36 @@ def start_server(tmp: Path, replicas: int) -> tuple[subprocess.Popen, str]:
             raise SystemExit("server did not start")
         time.sleep(0.1)
     return process, url[0]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def chunk_counts(url: str) -> tuple[float, float]:
+    """(chunks, frames) the router has sent the gateway, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.labels.get("path") == "to_gateways":
+                found[sample.name] = sample.value
+    return (found.get("exaserve_router_token_chunks_total", 0.0),
+            found.get("exaserve_router_chunk_frames_total", 0.0))
+
+
+def measured(url: str, pid: int, total: int, concurrency: int, stream: bool, max_tokens: int) -> dict:
+    (chunks0, frames0), cpu0 = chunk_counts(url), cpu_seconds(pid)
+    result = asyncio.run(drive(url, total, concurrency, stream, max_tokens))
+    cpu = cpu_seconds(pid) - cpu0
+    time.sleep(0.5)  # the router publishes its counts a few times a second
+    chunks, frames = chunk_counts(url)
+    done = max(1, total - result["failures"])
+    result.update(cpu_us=1e6 * cpu / done, chunks=(chunks - chunks0) / done,
+                  per_frame=(chunks - chunks0) / max(1.0, frames - frames0))
+    return result
 
 
 async def drive(url: str, total: int, concurrency: int, stream: bool, max_tokens: int) -> dict:
@@ -98,20 +136,31 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[16],
+                        help="answer lengths, run in turn (two or more: the CPU per further chunk, streaming)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_server(Path(tmp), args.replicas)
         try:
-            asyncio.run(drive(url, 100, 8, False, args.max_tokens))  # warm connections and code paths
+            asyncio.run(drive(url, 100, 8, False, args.max_tokens[0]))  # warm connections and code paths
             print(f"gateway benchmark: {args.requests} requests, concurrency {args.concurrency}, "
-                  f"{args.replicas} echo replicas, max_tokens {args.max_tokens}, loopback, 2-core machine shared "
-                  f"by client and server")
-            for stream in (False, True):
-                result = asyncio.run(drive(url, args.requests, args.concurrency, stream, args.max_tokens))
-                print(f"  {'stream ' if stream else 'nostream'}: {result['rps']:7.1f} req/s  "
-                      f"p50 {result['p50_ms']:6.1f} ms  p99 {result['p99_ms']:6.1f} ms  "
-                      f"failures {result['failures']}")
+                  f"{args.replicas} echo replicas, loopback, 2-core machine shared by client and server")
+            streamed = []
+            for max_tokens in args.max_tokens:
+                for stream in (False, True):
+                    result = measured(url, process.pid, args.requests, args.concurrency, stream, max_tokens)
+                    print(f"  max_tokens {max_tokens:5d} {'stream ' if stream else 'nostream'}: "
+                          f"{result['rps']:7.1f} req/s  p50 {result['p50_ms']:6.1f} ms  "
+                          f"p99 {result['p99_ms']:6.1f} ms  failures {result['failures']}  serving process "
+                          f"{result['cpu_us']:7.0f} us CPU a request, {result['chunks']:5.1f} chunks a request "
+                          f"({result['per_frame']:.1f} a frame)", flush=True)
+                    if stream:
+                        streamed.append(result)
+            if len(streamed) >= 2:
+                first, last = streamed[0], streamed[-1]
+                slope = (last["cpu_us"] - first["cpu_us"]) / max(1e-9, last["chunks"] - first["chunks"])
+                print(f"  streaming: serving process CPU per further chunk {slope:.1f} us "
+                      f"({first['chunks']:.1f} -> {last['chunks']:.1f} chunks a request)")
         finally:
             process.terminate()
             process.wait(30)
