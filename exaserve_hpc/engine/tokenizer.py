@@ -29,6 +29,11 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 def _bytes_of(ids: Iterable[int]) -> bytes:
     """Byte ids as bytes, specials dropped; out-of-range ids are an error."""
+    if ids.__class__ in (list, tuple):  # the common case, in C, when every id is a byte (else: the loop)
+        try:
+            return bytes(ids)
+        except (ValueError, TypeError):
+            pass
     out = bytearray()
     for i in ids:
         if 0 <= i < 256:

@@ -24,6 +24,8 @@ from .backend import BackendError, ModelInfo
 
 log = logging.getLogger(__name__)
 
+_SILENT = object()  # queued for a stream that heard nothing from the router for reply_timeout
+
 
 class RouterClient:
     def __init__(self, endpoint: str, models: list[ModelInfo],
@@ -38,7 +40,9 @@ class RouterClient:
         self._context: Optional[zmq.asyncio.Context] = None
         self._socket: Optional[zmq.asyncio.Socket] = None
         self._reader: Optional[asyncio.Task] = None
+        self._watcher: Optional[asyncio.Task] = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._heard: dict[str, float] = {}  # request id -> loop time of its last reply (or of its send)
 
     # ---------------------------------------------------------------- GatewayBackend
 
@@ -55,20 +59,20 @@ class RouterClient:
         self._ensure_started()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        self._heard[request.request_id] = asyncio.get_running_loop().time()
         finished = False
         try:
             # Prompt and hashes as two bins; replies may come batched (TokenChunks), which _read_replies takes.
             await self._socket.send(encode(msgspec.structs.replace(pack_request(request), batch_replies=True)))
             while True:
-                try:
-                    # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that meets a reply
-                    # already queued (a busy stream always has one), so a client's hang-up was lost and
-                    # the request generated to its end (issue 13 item 10). asyncio.timeout keeps it.
-                    async with asyncio.timeout(self.reply_timeout):
-                        message = await queue.get()
-                except TimeoutError:
+                # No timeout around the wait (asyncio.wait_for before Python 3.12 swallows a cancellation
+                # that meets a reply already queued, so a client's hang-up was lost: issue 13 item 10; and
+                # asyncio.timeout's timer a chunk was a fifth of the gateway's streaming CPU, profiled):
+                # _watch_silence queues _SILENT for a stream the router left silent for reply_timeout.
+                message = await queue.get()
+                if message is _SILENT:
                     raise BackendError(504, "router_timeout",
-                                       f"no reply from the router for {self.reply_timeout:.0f}s", 1.0) from None
+                                       f"no reply from the router for {self.reply_timeout:.0f}s", 1.0)
                 if isinstance(message, RequestError):
                     finished = True
                     raise BackendError(message.status, message.code, message.message, message.retry_after)
@@ -78,6 +82,7 @@ class RouterClient:
                     return
         finally:
             self._queues.pop(request.request_id, None)
+            self._heard.pop(request.request_id, None)
             if not finished and self._socket is not None and not self._socket.closed:
                 # The gateway closes streams inside a shielded scope, so this send survives a disconnect.
                 await self._socket.send(encode(Abort(request_id=request.request_id)))
@@ -96,9 +101,12 @@ class RouterClient:
             from ..bootstrap import secure_client
             secure_client(self._socket, self.curve)
         self._socket.connect(self.endpoint)
-        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_replies())
+        self._watcher = loop.create_task(self._watch_silence())
 
     async def _read_replies(self) -> None:
+        loop, heard, queues = asyncio.get_running_loop(), self._heard, self._queues
         while True:
             frame = await self._socket.recv()
             try:
@@ -106,19 +114,33 @@ class RouterClient:
             except DecodeError as exc:
                 log.warning("undecodable reply from the router: %s", exc)
                 continue
-            if message.__class__ is TokenChunks:
-                for chunk in message.chunks:
-                    queue = self._queues.get(chunk.request_id)
+            now = loop.time()
+            for reply in message.chunks if message.__class__ is TokenChunks else (message,):
+                rid = getattr(reply, "request_id", "")
+                queue = queues.get(rid)
+                if queue is not None:
+                    heard[rid] = now
+                    queue.put_nowait(reply)
+
+    async def _watch_silence(self) -> None:
+        """One timer for every stream: a stream the router left silent for reply_timeout gets _SILENT
+        (a 504 router_timeout), within a quarter of reply_timeout (at most a second) after it."""
+        loop = asyncio.get_running_loop()
+        period = min(1.0, self.reply_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for rid, heard in list(self._heard.items()):
+                if now - heard >= self.reply_timeout:
+                    del self._heard[rid]
+                    queue = self._queues.get(rid)
                     if queue is not None:
-                        queue.put_nowait(chunk)
-                continue
-            queue = self._queues.get(getattr(message, "request_id", ""))
-            if queue is not None:
-                queue.put_nowait(message)
+                        queue.put_nowait(_SILENT)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         if self._socket is not None:
             self._socket.close(linger=0)
             self._context.term()
