@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 log = logging.getLogger("exaserve.control")
 
@@ -70,8 +70,10 @@ def orphaned_replicas() -> list[int]:
     return found
 
 
-def end_orphans() -> list[int]:
-    """Kill and reap the dead agent's replicas; their pids."""
+def end_orphans(known: Iterable[int] = ()) -> list[int]:
+    """Kill and reap the dead agent's replicas; their pids. `known`: the replicas' pids as the controller has
+    them. A replica that ended by itself before the scan (PDEATHSIG's TERM: an idle one drains at once) is
+    a zombie of ours whose /proc cmdline is empty, so the scan cannot name it: it is reaped by its pid."""
     pids = orphaned_replicas()
     for pid in pids:
         try:
@@ -79,6 +81,12 @@ def end_orphans() -> list[int]:
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+    for pid in set(known) - set(pids):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                pids.append(pid)
+        except ChildProcessError:  # not a child of ours (never reparented here, or reaped already)
+            continue
     return pids
 
 
@@ -119,7 +127,7 @@ class AgentSupervisor:
                 self._on_give_up(why)
                 return
             stale = self._replicas_here()
-            ended = end_orphans()
+            ended = end_orphans(self._replica_pids())
             with self._lock:
                 if self._stopping:
                     return
@@ -138,6 +146,10 @@ class AgentSupervisor:
         with self.controller.fleet.lock:
             return {rid: (r.state, len(r.transitions)) for rid, r in self.controller.replicas.items()
                     if r.agent_id == self.node and not r.state.terminal}
+
+    def _replica_pids(self) -> set[int]:
+        with self.controller.fleet.lock:
+            return {r.pid for r in self.controller.replicas.values() if r.agent_id == self.node and r.pid > 0}
 
     def _replace_replicas(self, process: subprocess.Popen, stale: dict, why: str) -> None:
         """Once the new agent has said hello, the controller restarts the old agent's replicas on it."""
