@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from bench_router_throughput import cpu_seconds  # benchmarks/ is on the path when this runs as a script
 
 
 def start_server(tmp: Path, replicas: int) -> tuple[subprocess.Popen, str]:
@@ -61,12 +62,6 @@ def start_server(tmp: Path, replicas: int) -> tuple[subprocess.Popen, str]:
             raise SystemExit("server did not start")
         time.sleep(0.1)
     return process, url[0]
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def chunk_counts(url: str) -> tuple[float, float]:

@@ -44,6 +44,11 @@ log = logging.getLogger("exaserve.replica")
 LINK_HWM = 100_000  # messages queued towards one router (several routers): a burst of chunks fits
 
 
+def _chunks_frame(chunks: list[TokenChunk]) -> bytes:
+    """One chunk as itself, several as one TokenChunks."""
+    return encode(chunks[0] if len(chunks) == 1 else TokenChunks(chunks=chunks))
+
+
 class RouterLinks:
     def __init__(self, context: zmq.Context, replica_id: str, endpoints: list[str], keys=None):
         if not endpoints:
@@ -153,7 +158,7 @@ class RouterLinks:
         if not chunks:
             return
         if not self.several:
-            self.sockets[0].send(encode(chunks[0] if len(chunks) == 1 else TokenChunks(chunks=chunks)))
+            self.sockets[0].send(_chunks_frame(chunks))
             return
         groups: dict[int, list[TokenChunk]] = {}
         for chunk in chunks:
@@ -162,7 +167,7 @@ class RouterLinks:
                 self._origin.pop(chunk.request_id, None)
             groups.setdefault(index, []).append(chunk)
         for index, group in groups.items():
-            self._send_to(index, encode(group[0] if len(group) == 1 else TokenChunks(chunks=group)))
+            self._send_to(index, _chunks_frame(group))
 
     def broadcast(self, message: Message) -> None:
         if message.__class__ is ReplicaHello:

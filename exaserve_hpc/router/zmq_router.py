@@ -342,11 +342,11 @@ class ZmqRouter:
                     continue
                 if batches and peer in batches:  # its chunks so far go first: a gateway's replies stay in order
                     self._chunks_to_gateway(peer, batches.pop(peer))
-                backlog = self._backlogs.get(out.peer)
+                backlog = self._backlogs.get(peer)
                 if backlog is not None:  # behind what already waits: a stream's chunks stay in order
-                    self._hold(out.peer, backlog, out.message)
+                    self._hold(peer, backlog, out.message)
                 else:
-                    self._to_gateway(out.peer, out.message)
+                    self._to_gateway(peer, out.message)
                 continue
             message = out.message
             try:
