@@ -39,6 +39,9 @@ import numpy as np
 import safetensors.numpy
 
 # Re-exported: callers import the checkpoint API from this module.
+from exaserve_hpc.cache.hf_format import (
+    HF_FORMAT, generation_eos_ids, internal_config, is_hf_config, parse_safetensors, rename_weights, shard_files,
+)
 from exaserve_hpc.cache.manifest import (  # noqa: F401
     MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, ChecksumError, Progress, check_size,
     fsync_dir, read_bytes, read_manifest, verify_checkpoint, write_manifest, write_synced,
@@ -105,11 +108,13 @@ def spec_config(spec: TinyModelSpec) -> dict:
 
 
 def validate_config(config: dict) -> dict:
-    """Check an architecture config; returns it, raises CheckpointError."""
-    if config.get("format") != FORMAT:
+    """Check an architecture config (exaserve-llama-v1, or the internal form of a Hugging Face
+    config from ``hf_format.internal_config``); returns it, raises CheckpointError."""
+    if config.get("format") not in (FORMAT, HF_FORMAT):
         raise CheckpointError(
-            f"config format is {config.get('format')!r}, expected {FORMAT!r}; "
-            "convert the model or re-create it with `exaserve model create-tiny DIR`"
+            f"config format is {config.get('format')!r}, expected {FORMAT!r} or a Hugging Face config.json "
+            "(with model_type); import the model with `exaserve model import` or re-create it with "
+            "`exaserve model create-tiny DIR`"
         )
     missing = [k for k in (*_ARCH_INT_FIELDS, "rope_theta", "norm_eps") if k not in config]
     if missing:
@@ -118,24 +123,29 @@ def validate_config(config: dict) -> dict:
         if not isinstance(config[name], int) or config[name] < 1:
             raise CheckpointError(f"config.{name} must be a positive integer, got {config[name]!r}")
     hidden, heads, kv_heads = config["hidden"], config["heads"], config["kv_heads"]
-    if hidden % heads:
+    if "head_dim" not in config and hidden % heads:
         raise CheckpointError(f"config.hidden={hidden} is not divisible by heads={heads}")
     if heads % kv_heads:
         raise CheckpointError(
             f"config.heads={heads} is not a multiple of kv_heads={kv_heads} "
             "(grouped-query attention shares each kv head among heads/kv_heads query heads)"
         )
-    if (hidden // heads) % 2:
+    if head_dim_of(config) % 2:
         raise CheckpointError(
-            f"head dim hidden/heads = {hidden // heads} is odd; RoPE rotates pairs, make it even"
+            f"head dim {head_dim_of(config)} is odd; RoPE rotates pairs, make it even"
         )
     return config
+
+
+def head_dim_of(config: dict) -> int:
+    """Width of one attention head: Hugging Face's explicit head_dim, else hidden / heads."""
+    return config.get("head_dim") or config["hidden"] // config["heads"]
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Required weight names -> shapes, in the canonical (init and shard) order."""
     h, v, i = config["hidden"], config["vocab_size"], config["intermediate"]
-    hd = h // config["heads"]
+    hd = head_dim_of(config)
     q, kv = config["heads"] * hd, config["kv_heads"] * hd
     shapes: dict[str, tuple[int, ...]] = {"embed": (v, h)}
     for n in range(config["layers"]):
@@ -143,6 +153,10 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "attn_norm": (h,), p + "attn.wq": (q, h), p + "attn.wk": (kv, h),
                    p + "attn.wv": (kv, h), p + "attn.wo": (h, q), p + "mlp_norm": (h,),
                    p + "mlp.w1": (i, h), p + "mlp.w3": (i, h), p + "mlp.w2": (h, i)}
+        if config.get("qkv_bias"):
+            shapes |= {p + "attn.bq": (q,), p + "attn.bk": (kv,), p + "attn.bv": (kv,)}
+        if config.get("o_bias"):
+            shapes[p + "attn.bo"] = (h,)
     shapes["norm"] = (h,)
     if not config.get("tie_embeddings", False):
         shapes["lm_head"] = (v, h)
@@ -315,26 +329,54 @@ def _shard_files(root: Path, names: list[str]) -> list[str]:
     return want
 
 
+def parse_config(root: Path, data: bytes, read=None) -> dict:
+    """The architecture config of a checkpoint from its config.json bytes: an exaserve-llama-v1 config as
+    it is, a Hugging Face one in internal form with ``eos_token_ids`` from its generation config.
+    ``read(name) -> bytes`` reads another file of the checkpoint (verified, where the caller verifies)."""
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{root / CONFIG_FILE} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{root / CONFIG_FILE} is not a JSON object")
+    if is_hf_config(raw):
+        config = internal_config(raw, str(root / CONFIG_FILE))
+        config["eos_token_ids"] = generation_eos_ids(root, read)
+        return validate_config(config)
+    return validate_config(raw)
+
+
+def weight_files(root: Path, names: list[str], config: dict) -> list[str]:
+    """The safetensors files holding a checkpoint's weights, in load order."""
+    return shard_files(root, names) if config["format"] == HF_FORMAT else _shard_files(root, names)
+
+
+def internal_weights(config: dict, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors under the names ``weight_shapes`` uses."""
+    if config["format"] == HF_FORMAT:
+        return rename_weights(tensors, tied=config["tie_embeddings"])
+    return tensors
+
+
 def load_checkpoint(directory: str | os.PathLike, verify: bool = True,
                     progress: Progress | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read (config, weights) from a checkpoint; each file is read once.
+    """Read (config, weights) from a checkpoint (exaserve-llama-v1 or Hugging Face layout); each file
+    is read once.
 
     With ``verify`` the bytes are hashed as they are read and compared with
     the manifest (ChecksumError on mismatch). ``progress(done, total)``
-    reports bytes read. Weights keep the stored dtype.
+    reports bytes read. Weights keep the stored dtype (bfloat16 through ml_dtypes).
     """
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(
             f"checkpoint directory {root} does not exist; create one with "
-            f"`exaserve model create-tiny {root}` or fix the model path"
+            f"`exaserve model create-tiny {root}`, import one with `exaserve model import SRC --name NAME`, "
+            "or fix the model path"
         )
     entries = read_manifest(root) if verify else None
     names = list(entries) if entries is not None else [p.name for p in root.iterdir()]
-    shards = _shard_files(root, names)
-    files = [CONFIG_FILE, *shards]
-    total = sum(check_size(root, n, entries.get(n) if entries else None) for n in files)
-    done = 0
+    done, total = 0, 0
 
     def on_bytes(n: int) -> None:
         nonlocal done
@@ -347,17 +389,14 @@ def load_checkpoint(directory: str | os.PathLike, verify: bool = True,
             raise CheckpointError(f"{root / name} is not listed in the manifest; re-create it")
         return read_bytes(root, name, entries[name] if entries else None, on_bytes)
 
-    try:
-        config = validate_config(json.loads(read(CONFIG_FILE)))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{root / CONFIG_FILE} is not valid JSON ({e})") from e
+    if CONFIG_FILE not in names:
+        raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a checkpoint directory")
+    config = parse_config(root, read(CONFIG_FILE), read)
+    shards = weight_files(root, names, config)
+    total = done + sum(check_size(root, n, entries.get(n) if entries else None) for n in shards)
     weights: dict[str, np.ndarray] = {}
     for shard in shards:
-        data = read(shard)
-        try:
-            tensors = safetensors.numpy.load(data)
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise CheckpointError(f"{root / shard} is not a valid safetensors file ({e})") from e
+        tensors = internal_weights(config, parse_safetensors(read(shard), str(root / shard)))
         if dup := sorted(set(tensors) & set(weights)):
             raise CheckpointError(f"{root / shard} repeats tensor(s) {dup[:5]} from an earlier shard")
         weights.update(tensors)

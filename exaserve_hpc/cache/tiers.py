@@ -18,27 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CONFIG_FILE, SHARD_RE, CheckpointError, check_weights, load_checkpoint, validate_config
+from .checkpoint import (
+    CONFIG_FILE, CheckpointError, check_weights, internal_weights, load_checkpoint, parse_config, weight_files,
+)
+from .hf_format import safetensors_dtype
 
 Progress = Callable[[int, int], None]
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-def _dtype(code: str, where: str) -> np.dtype:
-    if code == "BF16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    if code not in _DTYPES:
-        raise CheckpointError(f"{where}: dtype {code!r} is not supported; valid: BF16, {', '.join(_DTYPES)}")
-    return np.dtype(_DTYPES[code])
-
-
-def shard_names(entry_dir: Path) -> list[str]:
-    shards = sorted(p.name for p in entry_dir.iterdir() if SHARD_RE.match(p.name))
-    if not shards:
-        raise CheckpointError(f"{entry_dir} has no model-XXXXX-of-XXXXX.safetensors shards")
-    return shards
+def shard_names(entry_dir: Path, config: dict | None = None) -> list[str]:
+    """The weight files of an L2 entry (laid out as its L3 checkpoint: either format); ``config``: its
+    parsed config, read from the entry when not given."""
+    if config is None:
+        config = parse_config(entry_dir, (entry_dir / CONFIG_FILE).read_bytes())
+    return weight_files(entry_dir, [p.name for p in entry_dir.iterdir()], config)
 
 
 COPY_CHUNK = 64 << 20  # progress is reported per chunk copied
@@ -74,7 +65,7 @@ def _copy_shard(path: Path, weights: dict[str, np.ndarray], on_bytes: Callable[[
         del source
         for name, info in tensors:
             begin, end = (int(x) for x in info["data_offsets"])
-            dtype = _dtype(info["dtype"], f"{path}:{name}")
+            dtype = safetensors_dtype(info["dtype"], f"{path}:{name}")
             weights[name] = arena[begin:end].view(dtype).reshape(tuple(info["shape"]))
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise CheckpointError(f"{path} is not a valid safetensors file ({e})") from e
@@ -88,7 +79,11 @@ def _copy_shard(path: Path, weights: dict[str, np.ndarray], on_bytes: Callable[[
 def load_from_l2(entry_dir: str | os.PathLike, progress: Progress | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """(config, weights) copied from an L2 entry into this process; CheckpointError if malformed."""
     root = Path(entry_dir)
-    shards = shard_names(root)
+    try:
+        config = parse_config(root, (root / CONFIG_FILE).read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{root / CONFIG_FILE} cannot be read ({e})") from e
+    shards = shard_names(root, config)
     total = sum((root / s).stat().st_size for s in shards)
     done = 0
 
@@ -98,13 +93,11 @@ def load_from_l2(entry_dir: str | os.PathLike, progress: Progress | None = None)
         if progress:
             progress(done, total)
 
-    try:
-        config = validate_config(json.loads((root / CONFIG_FILE).read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{root / CONFIG_FILE} cannot be read ({e})") from e
     weights: dict[str, np.ndarray] = {}
     for shard in shards:
-        _copy_shard(root / shard, weights, on_bytes)
+        tensors: dict[str, np.ndarray] = {}
+        _copy_shard(root / shard, tensors, on_bytes)
+        weights.update(internal_weights(config, tensors))
     check_weights(config, weights)
     if progress:
         progress(total, total)

@@ -30,6 +30,8 @@ from typing import Protocol, runtime_checkable
 from exaserve_hpc.engine.sampling import validate_sampling
 from exaserve_hpc.engine.tokenizer import EOS
 
+DEFAULT_EOS_IDS = (EOS,)  # the EOS of models without a generation config (exaserve-llama-v1)
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -47,7 +49,9 @@ class EngineRequest:
     temperature: float = 0.0        # 0 = greedy
     top_p: float = 1.0              # nucleus mass kept, (0, 1]
     seed: int | None = None         # per-request RNG seed; None = nondeterministic
-    stop_token_ids: tuple[int, ...] = (EOS,)  # generating one of these finishes with "stop"
+    # Generating one of these finishes with "stop"; None: the model's own EOS ids (its generation
+    # config's eos_token_id, an id or a list; the byte tokenizer's EOS for exaserve-llama-v1 models).
+    stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

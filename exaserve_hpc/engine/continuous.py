@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from exaserve_hpc.engine.base import EngineError, EngineRequest, StepOutput
+from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError, EngineRequest, StepOutput
 from exaserve_hpc.engine.block_manager import BlockManager
 from exaserve_hpc.engine.kv_events import KVEventPublisher
 from exaserve_hpc.engine.latency_stats import LatencyStats
@@ -46,13 +46,14 @@ class ContinuousBatchingEngine:
                chunked_prefill: bool = True, prefill_chunk_tokens: int = 512,
                enable_prefix_caching: bool = True, block_size: int = 16,
                num_kv_blocks: int | None = None, kv_events_endpoint: str | None = None,
-               kv_events_tokens: bool = True, replica_id: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+               kv_events_tokens: bool = True, replica_id: str = "", eos_token_ids=DEFAULT_EOS_IDS, clock: Callable[[], float] = time.monotonic) -> None:
         for name, value, low in (("max_seq_len", max_seq_len, 2),
                                  ("decode_batch_size", decode_batch_size, 1),
                                  ("block_size", block_size, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.decode_batch_size = decode_batch_size
@@ -113,7 +114,8 @@ class ContinuousBatchingEngine:
                 "raise num_kv_blocks or shorten the request"
             )
         seq = Sequence(req, arrived=self._clock(), token_ids=list(req.prompt_token_ids),
-                       stop_ids=frozenset(req.stop_token_ids), rng=request_rng(req.seed))
+                       stop_ids=frozenset(self.eos_token_ids if req.stop_token_ids is None else req.stop_token_ids),
+                       rng=request_rng(req.seed))
         self.scheduler.add(seq)
         self._live[req.request_id] = seq
 

@@ -1,8 +1,12 @@
 """A small Llama-style decoder in numpy (the CPU reference model).
 
-RMSNorm, RoPE (half-split "rotate_half" convention, as Hugging Face Llama),
-grouped-query attention, SwiGLU MLP, tied or separate lm_head, optional
-output bias. All arithmetic is float32 whatever the stored dtype.
+RMSNorm, RoPE (half-split "rotate_half" convention, as Hugging Face Llama;
+Llama 3's and linear rope scaling), grouped-query attention, q/k/v and o
+projection biases (Qwen2, Llama's attention_bias), SwiGLU MLP, tied or
+separate lm_head, optional output bias. It runs the Llama, Mistral and Qwen2
+checkpoints of Hugging Face (``cache/hf_format.py`` maps their configs and
+names) and the exaserve-llama-v1 tiny ones. All arithmetic is float32
+whatever the stored dtype (float32, float16 or bfloat16).
 
 Call protocol:
 - ``model = LlamaModel(config, weights)`` with a config/weights pair from
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exaserve_hpc.cache.checkpoint import check_weights, validate_config
+from exaserve_hpc.cache.checkpoint import check_weights, head_dim_of, validate_config
+from exaserve_hpc.cache.hf_format import rope_inv_freq
 
 
 class KVCache:
@@ -97,6 +102,8 @@ class LayerWeights:
     mlp_norm: np.ndarray   # [hidden]
     w_gate_up: np.ndarray  # [hidden, 2 * intermediate]: gate (w1) then up (w3)
     w_down: np.ndarray     # [intermediate, hidden]
+    bqkv: np.ndarray | None = None  # [(heads + 2 * kv_heads) * head_dim]: q, k, v biases (Qwen2)
+    bo: np.ndarray | None = None    # [hidden]: o projection bias (Llama's attention_bias)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -105,9 +112,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * scale * weight
 
 
-def rope_tables(max_position: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin tables [max_position, head_dim // 2] (precomputed once per model)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_tables(max_position: int, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables [max_position, head_dim // 2] (precomputed once per model); ``inv_freq``: the
+    frequencies with a rope scaling applied (default: theta's plain ones)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     angles = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -175,7 +185,7 @@ class LlamaModel:
         self.config = config
         self.num_layers = config["layers"]
         self.heads, self.kv_heads = config["heads"], config["kv_heads"]
-        self.head_dim = config["hidden"] // self.heads
+        self.head_dim = head_dim_of(config)
         self.vocab_size = config["vocab_size"]
         self.max_position = config["max_position"]
         self.eps = float(config["norm_eps"])
@@ -196,13 +206,16 @@ class LlamaModel:
                 w_gate_up=np.ascontiguousarray(
                     np.concatenate([f32(p + "mlp.w1"), f32(p + "mlp.w3")]).T),
                 w_down=np.ascontiguousarray(f32(p + "mlp.w2").T),
+                bqkv=np.concatenate([f32(p + "attn.bq"), f32(p + "attn.bk"), f32(p + "attn.bv")])
+                if config.get("qkv_bias") else None,
+                bo=f32(p + "attn.bo") if config.get("o_bias") else None,
             ))
         self.norm = f32("norm")
         head = self.embed if config.get("tie_embeddings", False) else f32("lm_head")
         self.lm_head = np.ascontiguousarray(head.T)  # [hidden, vocab]
         self.lm_head_bias = f32("lm_head_bias") if "lm_head_bias" in weights else None
-        self.cos, self.sin = rope_tables(self.max_position, self.head_dim,
-                                         float(config["rope_theta"]))
+        self.cos, self.sin = rope_tables(self.max_position, self.head_dim, float(config["rope_theta"]),
+                                         rope_inv_freq(config))
 
     def new_cache(self, max_tokens: int | None = None) -> KVCache:
         """An empty per-sequence KV cache holding up to ``max_tokens`` (default
@@ -267,6 +280,8 @@ class LlamaModel:
             and caches.padded()
         for index, lw in enumerate(self.layers):
             qkv = rms_norm(x, lw.attn_norm, self.eps) @ lw.wqkv
+            if lw.bqkv is not None:
+                qkv += lw.bqkv
             q = apply_rope(qkv[:, :q_width].reshape(-1, self.heads, self.head_dim), cos, sin)
             k = apply_rope(qkv[:, q_width:q_width + kv_width].reshape(-1, self.kv_heads, self.head_dim),
                            cos, sin)
@@ -281,6 +296,8 @@ class LlamaModel:
                     keys, values = cache.append(index, k[lo:hi], v[lo:hi])
                     out[lo:hi] = attention(q[lo:hi], keys, values, batch.starts[b])
             x = x + self.reduce(out.reshape(-1, q_width) @ lw.wo)
+            if lw.bo is not None:  # added once, after the shards' partial sums
+                x += lw.bo
             gate_up = rms_norm(x, lw.mlp_norm, self.eps) @ lw.w_gate_up
             gate, up = np.split(gate_up, 2, axis=-1)
             x = x + self.reduce((gate / (1.0 + np.exp(-gate)) * up) @ lw.w_down)  # SwiGLU

@@ -41,10 +41,9 @@ from exaserve_hpc.engine.base import EngineError, EngineRequest
 from exaserve_hpc.engine.kv_cache import PagedKVCache
 from exaserve_hpc.engine.latency_stats import LatencyStats
 from exaserve_hpc.engine.model import LayerWeights, LlamaModel
-from exaserve_hpc.engine.reference import WARMUP_PROMPT, WARMUP_TOKENS, ReferenceEngine
+from exaserve_hpc.engine.reference import WARMUP_TOKENS, ReferenceEngine, warmup_prompt
 from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
 from exaserve_hpc.engine.stage_link import MpiStageLink
-from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
 MPI_HINT = "pip install 'exaserve-hpc[mpi]' (and an MPI library, e.g. apt-get install openmpi-bin libopenmpi-dev)"
 
@@ -79,6 +78,8 @@ def shard_model(model: LlamaModel, tp: int, shard: int, layers: range) -> LlamaM
         mlp_norm=lw.mlp_norm,
         w_gate_up=np.ascontiguousarray(lw.w_gate_up[:, np.concatenate([gate, gate + inter])]),
         w_down=np.ascontiguousarray(lw.w_down[gate]),
+        bqkv=None if lw.bqkv is None else np.ascontiguousarray(lw.bqkv[np.concatenate([q, k, v])]),
+        bo=lw.bo,
     ) for lw in (model.layers[i] for i in layers)]
     part.num_layers = len(part.layers)
     part.heads, part.kv_heads = hq, hk
@@ -154,7 +155,7 @@ class ParallelReferenceEngine(ReferenceEngine):
     def warmup(self) -> None:
         """A short greedy request through every rank; counters are reset after."""
         self._check_open()
-        prompt = ByteTokenizer().encode(WARMUP_PROMPT)
+        prompt = warmup_prompt(self.vocab_size)
         self.add_request(EngineRequest("__warmup__", prompt, WARMUP_TOKENS, stop_token_ids=()))
         tokens = []
         try:

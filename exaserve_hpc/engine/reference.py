@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from exaserve_hpc.cache.checkpoint import Progress, load_checkpoint
-from exaserve_hpc.engine.base import EngineError
+from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError
 from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
 from exaserve_hpc.engine.kv_cache import DecodeBatchKV, PagedKVCache, kv_dtype
 from exaserve_hpc.engine.model import LlamaModel
@@ -35,6 +35,12 @@ from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
 WARMUP_PROMPT = "exaserve warm-up"
 WARMUP_TOKENS = 4
+
+
+def warmup_prompt(vocab_size: int) -> list[int]:
+    """Ids of a fixed warm-up prompt valid in any vocabulary (what the ids mean does not matter: the
+    warm-up checks shapes and finite logits)."""
+    return [t % vocab_size for t in ByteTokenizer().encode(WARMUP_PROMPT)]
 
 
 class ReferenceEngine(ContinuousBatchingEngine):
@@ -67,6 +73,7 @@ class ReferenceEngine(ContinuousBatchingEngine):
                 f"max_seq_len={max_seq_len} exceeds the model's max_position="
                 f"{model.max_position}; lower max_seq_len to at most {model.max_position}"
             )
+        kwargs.setdefault("eos_token_ids", tuple(model.config.get("eos_token_ids", DEFAULT_EOS_IDS)))
         self._setup(vocab_size=model.vocab_size, **kwargs)
         self.model = model
         self.kv = PagedKVCache(model.num_layers, model.kv_heads, model.head_dim,
@@ -88,6 +95,7 @@ class ReferenceEngine(ContinuousBatchingEngine):
             for layer in m.layers:
                 arrays += [layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm,
                            layer.w_gate_up, layer.w_down]
+                arrays += [b for b in (layer.bqkv, layer.bo) if b is not None]
             for a in arrays:
                 h.update(repr((a.dtype.str, a.shape)).encode())
                 h.update(np.ascontiguousarray(a).data)
@@ -127,7 +135,7 @@ class ReferenceEngine(ContinuousBatchingEngine):
         (prefill and decode paths); EngineError if anything is off."""
         self._check_open()
         n = min(WARMUP_TOKENS, self.max_seq_len - 1)
-        prompt = ByteTokenizer().encode(WARMUP_PROMPT)[: self.max_seq_len - n]
+        prompt = warmup_prompt(self.vocab_size)[: self.max_seq_len - n]
         try:
             # A private pool of the engine's dtype: exercises the paged write/gather path.
             pool = PagedKVCache(self.model.num_layers, self.model.kv_heads, self.model.head_dim,

@@ -30,12 +30,15 @@ streams and queues per-request token deltas; ``step()`` drains that queue
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import threading
+from pathlib import Path
 from typing import Any
 
-from exaserve_hpc.engine.base import EngineError, EngineRequest, StepOutput
+from exaserve_hpc.cache.hf_format import generation_eos_ids, is_hf_config
+from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError, EngineRequest, StepOutput
 from exaserve_hpc.engine.registry import TRTLLM_INSTALL as INSTALL_HINT
 
 
@@ -91,6 +94,16 @@ def llm_args_from_config(model_dir: str | os.PathLike, model, batching) -> dict[
                     prefill_chunk_tokens=batching.prefill_chunk_tokens)
 
 
+def model_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The EOS ids of a checkpoint: a Hugging Face one's generation config, the byte tokenizer's EOS for
+    an exaserve-llama-v1 one."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise EngineError(f"{model_dir / 'config.json'} cannot be read ({e}); check the model path") from e
+    return tuple(generation_eos_ids(model_dir)) if is_hf_config(raw) else DEFAULT_EOS_IDS
+
+
 def import_tensorrt_llm():
     """The ``tensorrt_llm`` module, or EngineError naming the extra to install."""
     try:
@@ -115,6 +128,8 @@ class TrtLlmEngine:
         from tensorrt_llm.llmapi import KvCacheConfig
 
         self._trt = trt
+        self._model_dir = Path(model_dir)
+        self._eos_ids: tuple[int, ...] | None = None
         self.max_seq_len = self.args["max_seq_len"]
         kwargs = {**self.args, "kv_cache_config": KvCacheConfig(**self.args["kv_cache_config"])}
         self._llm = trt.LLM(**kwargs)
@@ -141,12 +156,23 @@ class TrtLlmEngine:
                              f"{req.max_tokens} exceeds max_seq_len {self.max_seq_len}")
         params = self._trt.SamplingParams(
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-            seed=req.seed, stop_token_ids=list(req.stop_token_ids))
+            seed=req.seed, stop_token_ids=list(self._stop_ids(req)))
         stream = self._llm.generate_async(list(req.prompt_token_ids), sampling_params=params,
                                           streaming=True)
         self._live[req.request_id] = (req, stream)
         self._counters["prefill_tokens"] += prompt
         asyncio.run_coroutine_threadsafe(self._consume(req, stream), self._loop)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids, read from its checkpoint on first use."""
+        if self._eos_ids is None:
+            self._eos_ids = model_eos_ids(self._model_dir)
+        return self._eos_ids
+
+    def _stop_ids(self, req: EngineRequest) -> tuple[int, ...]:
+        """The request's stop ids, or the model's EOS ids (its generation_config.json)."""
+        return self.eos_token_ids if req.stop_token_ids is None else tuple(req.stop_token_ids)
 
     async def _consume(self, req: EngineRequest, stream) -> None:
         """Turn cumulative outputs into deltas on the queue (runs on the loop thread)."""
@@ -196,7 +222,7 @@ class TrtLlmEngine:
                     self._counters["requests_aborted"] += 1
                     reason = "abort"  # cancelled by us, or failed inside TensorRT-LLM
                 self._aborted.discard(request_id)
-                if reason == "stop" and new and new[-1] in req.stop_token_ids:
+                if reason == "stop" and new and new[-1] in self._stop_ids(req):
                     new = new[:-1]  # a stop token is not returned (base protocol)
             outputs.append(StepOutput(request_id, new, finished, reason if finished else None,
                                       len(req.prompt_token_ids), total))

@@ -108,6 +108,9 @@ def test_trtllm_replica_drives_the_llm_api_and_streams_through_the_router(router
     monkeypatch.setenv("TRTLLM_STANDIN_RECORD", str(record))
     checkpoint = tmp_path / "llama-hf"
     checkpoint.mkdir()
+    # The stand-in reads no weights; the backend reads the model's EOS ids from its generation config.
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
     slot = start(router, "trtllm", str(checkpoint), devices=2, kv_cache_dtype="fp8", prefill_chunk_tokens=128,
                  options={"gpu_memory_utilization": 0.5})
     try:
