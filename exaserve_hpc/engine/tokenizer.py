@@ -11,6 +11,10 @@ Call protocol:
   UTF-8 becomes U+FFFD.
 - Streaming: one ``IncrementalDecoder`` per response; ``feed(ids)`` returns
   only the text of complete UTF-8 sequences, ``flush()`` once at the end.
+- ``ByteTokenizer`` also satisfies the ``ModelTokenizer`` protocol of
+  ``engine/hf_tokenizer.py`` (``eos_token_ids``, ``encode(text,
+  add_special_tokens=...)``, ``encode_chat``, ``incremental``), so the gateway
+  treats it like a Hugging Face model's tokenizer.
 """
 
 from __future__ import annotations
@@ -55,16 +59,40 @@ class ByteTokenizer:
     pad_token_id = PAD
     vocab_size = VOCAB_SIZE
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """UTF-8 bytes of ``text`` as ids, preceded by BOS when ``add_bos``."""
+    eos_token_ids = frozenset({EOS})
+
+    def encode(
+        self, text: str, add_bos: bool = True, *, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        """UTF-8 bytes of ``text`` as ids, preceded by BOS when ``add_bos``.
+
+        ``add_special_tokens`` (the ModelTokenizer protocol's name) is an alias of ``add_bos``
+        and wins when given.
+        """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if add_special_tokens is not None:
+            add_bos = add_special_tokens
         ids = list(text.encode("utf-8"))
         return [BOS, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; specials skipped, invalid UTF-8 replaced (U+FFFD)."""
         return _bytes_of(ids).decode("utf-8", errors="replace")
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """``apply_chat_template(messages)`` encoded with BOS first.
+
+        The byte template always ends with the assistant header, so ``add_generation_prompt``
+        is accepted for the ModelTokenizer protocol and otherwise ignored.
+        """
+        return self.encode(apply_chat_template(messages))
+
+    def incremental(self) -> "IncrementalDecoder":
+        """A fresh streaming decoder for one response (the ModelTokenizer protocol)."""
+        return IncrementalDecoder()
 
 
 class IncrementalDecoder:
