@@ -206,6 +206,57 @@ def cmd_model_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_import(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    import time
+
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    from .cache.manifest import MANIFEST_FILE, CheckpointError
+    from .cache.model_import import import_model
+    from .units import format_size
+
+    store = Path(args.store).expanduser() if args.store else _load(args.site).weight_cache.l3_dir
+    started = time.monotonic()
+
+    def terminated(signum, frame):  # scancel, a job's time limit: clean up as for Ctrl-C
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, disable=not err.is_terminal, transient=True) as progress:
+        task = progress.add_task(f"import {args.name}", total=None)
+        try:
+            dest = import_model(Path(args.src), store, args.name, force=args.force,
+                                progress=lambda done, total: progress.update(task, completed=done, total=total),
+                                note=lambda text: err.print(f"note: {text}", highlight=False, markup=False))
+        except CheckpointError as exc:
+            err.print(f"[red]import failed[/]: {exc}", highlight=False)
+            return 2
+        except KeyboardInterrupt:
+            err.print(f"interrupted: nothing was changed at {store / args.name}", highlight=False, markup=False)
+            return 130
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    files = json.loads((dest / MANIFEST_FILE).read_bytes())["files"]
+    size, seconds = sum(f["size"] for f in files.values()), time.monotonic() - started
+    if "@" in args.name:
+        base, version = args.name.split("@", 1)
+        step = (f"start a rollout: exaserve rollout start {base} {version} (its default --model-dir is the "
+                f"checkpoint of model {base} + '@{version}'; else pass --model-dir {dest})")
+    else:
+        step = (f"name it in a site config: model_path: {dest}  or  model_name: {args.name} under "
+                f"weight_cache.l3_path: {store}")
+    out.print(f"imported {args.name} -> {dest}: {len(files)} files + {MANIFEST_FILE}, {format_size(size)} "
+              f"({size} bytes) in {seconds:.1f}s; next: {step}", highlight=False, markup=False)
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -323,6 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify = model_commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
     verify.add_argument("dir")
     verify.set_defaults(func=cmd_model_verify)
+    imp = model_commands.add_parser(
+        "import", help="copy a Hugging Face model directory into the model store with its checksum manifest",
+        description="Check a Hugging Face model directory (config.json with model_type llama, mistral or qwen2; "
+                    "safetensors weights of F32/F16/BF16; tokenizer.json) and copy it to STORE/NAME with the "
+                    "manifest every weight tier verifies. Exit 2 on a refused or failed import.")
+    imp.add_argument("src", metavar="SRC", help="the Hugging Face model directory (e.g. a huggingface-cli download)")
+    imp.add_argument("--name", required=True, metavar="NAME",
+                     help="directory name in the store: letters, digits, . _ -, optionally @VERSION for a rollout")
+    where = imp.add_mutually_exclusive_group()
+    where.add_argument("--site", help=site_help + "; the store is its weight_cache.l3_path")
+    where.add_argument("--store", metavar="DIR", help="the store directory (instead of the site's l3_path)")
+    imp.add_argument("--force", action="store_true", help="replace an existing STORE/NAME (atomically)")
+    imp.set_defaults(func=cmd_model_import)
     return parser
 
 
