@@ -1,20 +1,22 @@
 """Model repository: checkpoints with checksum manifests.
 
-A checkpoint is a directory::
+A checkpoint is a Hugging Face model directory (``hf_format.py``: config.json
+with ``model_type``, ``model.safetensors`` or index + shards, tokenizer.json,
+tokenizer_config.json, chat template, generation_config.json) plus
+``manifest.json``: size, BLAKE3, sha256, md5 of every other file. The older
+exaserve-llama-v1 layout (config.json with ``"format": "exaserve-llama-v1"``,
+internal tensor names, the byte tokenizer) still loads.
 
-    config.json                         architecture, "format": "exaserve-llama-v1"
-    model-00001-of-0000N.safetensors    weights (float32 or float16), N >= 1
-    manifest.json                       size, sha256, md5 of every other file
-
-Weight names and shapes (PyTorch [out, in] layout, so Hugging Face Llama
-weights convert by renaming only) are given by ``weight_shapes(config)``.
+Internally a config is the dict ``weight_shapes(config)`` reads (``layers``,
+``hidden``, ``heads`` ...: ``hf_format.internal_config`` maps Hugging Face's
+names), and weights carry internal names (PyTorch [out, in] layout).
 ``lm_head`` is absent when ``tie_embeddings`` is true; ``lm_head_bias`` is
-optional (real Llama checkpoints have none; the tiny random ones use it to
-make EOS rare).
+optional (exaserve-llama-v1 tiny models have one).
 
 Call protocol:
-- ``create_tiny_checkpoint(dir, spec)`` writes a deterministic random model
-  atomically (same spec -> byte-identical files).
+- ``create_tiny_checkpoint(dir, spec)`` writes a deterministic random Llama-3-style
+  model in Hugging Face layout with the small BPE tokenizer and chat template
+  shipped in ``tiny_tokenizer/`` (same spec -> byte-identical files).
 - ``ensure_tiny_checkpoint(dir, spec)`` creates it if absent, else checks it
   is the same model and intact.
 - ``verify_checkpoint(dir)`` hashes every file listed in the manifest
@@ -28,6 +30,7 @@ with the file, the numbers and what to do.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,12 +43,15 @@ import safetensors.numpy
 
 # Re-exported: callers import the checkpoint API from this module.
 from exaserve_hpc.cache.hf_format import (
-    HF_FORMAT, generation_eos_ids, internal_config, is_hf_config, parse_safetensors, rename_weights, shard_files,
+    GENERATION_CONFIG, HF_FORMAT, INDEX_FILE, SINGLE_FILE, generation_eos_ids, hf_name, internal_config,
+    is_hf_config, parse_safetensors, rename_weights, shard_files,
 )
 from exaserve_hpc.cache.manifest import (  # noqa: F401
     MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, ChecksumError, Progress, check_size,
     fsync_dir, read_bytes, read_manifest, verify_checkpoint, write_manifest, write_synced,
 )
+
+log = logging.getLogger("exaserve.checkpoint")
 
 FORMAT = "exaserve-llama-v1"
 CONFIG_FILE = "config.json"
@@ -53,8 +59,13 @@ SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 DTYPES = ("float32", "float16")
 _ARCH_INT_FIELDS = ("layers", "hidden", "heads", "kv_heads", "intermediate",
                     "vocab_size", "max_position")
-# Byte-tokenizer ids (kept literal so the cache package needs no engine import).
-_BOS, _EOS, _PAD, _BYTE_VOCAB = 256, 257, 258, 259
+# The tiny models' tokenizer (package data): a byte-level BPE of 480 pieces and Llama 3's special tokens,
+# written by transformers (tests/fixtures/hf/make_golden.py: the llama3 fixture's tokenizer).
+TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_tokenizer"
+TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY_VOCAB = 485
+TINY_BOS, TINY_EOS_IDS = 480, (481, 484)  # <|begin_of_text|>; <|end_of_text|>, <|eot_id|>
+TINY_SPECIAL_IDS = range(480, 485)
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class TinyModelSpec:
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 172
-    vocab_size: int = 259
+    vocab_size: int = TINY_VOCAB
     max_position: int = 2048
     rope_theta: float = 10000.0
     seed: int = 0
@@ -78,10 +89,10 @@ class TinyModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TinyModelSpec.{name} must be a positive integer, got {value!r}")
-        if self.vocab_size < _BYTE_VOCAB:
+        if self.vocab_size < TINY_VOCAB:
             raise ValueError(
-                f"TinyModelSpec.vocab_size is {self.vocab_size}; the byte tokenizer "
-                f"needs at least {_BYTE_VOCAB}"
+                f"TinyModelSpec.vocab_size is {self.vocab_size}; the tiny tokenizer "
+                f"needs at least {TINY_VOCAB}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TinyModelSpec.dtype is {self.dtype!r}; valid: {', '.join(DTYPES)}")
@@ -93,18 +104,38 @@ class TinyModelSpec:
             raise ValueError(f"TinyModelSpec: {e}") from e
 
 
-def spec_config(spec: TinyModelSpec) -> dict:
-    """The config.json content of the checkpoint ``spec`` describes."""
-    fields = asdict(spec)
+def hf_config(spec: TinyModelSpec) -> dict:
+    """The Hugging Face config.json of the tiny checkpoint ``spec`` describes (LlamaForCausalLM)."""
     return {
-        "format": FORMAT,
-        **{name: fields[name] for name in _ARCH_INT_FIELDS},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "num_hidden_layers": spec.layers,
+        "head_dim": spec.hidden // spec.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position,
         "rope_theta": float(spec.rope_theta),
-        "norm_eps": 1e-5,
-        "dtype": spec.dtype,
-        "tie_embeddings": False,
-        "init": {"kind": "tiny-random", "seed": spec.seed, "shards": spec.shards},
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": spec.dtype,
+        "bos_token_id": TINY_BOS,
+        "eos_token_id": list(TINY_EOS_IDS),
+        "exaserve_tiny": {"kind": "tiny-random", "seed": spec.seed, "shards": spec.shards},
     }
+
+
+def spec_config(spec: TinyModelSpec) -> dict:
+    """The internal config ``load_checkpoint`` returns for the tiny checkpoint ``spec`` describes."""
+    if spec.hidden % spec.heads:
+        raise CheckpointError(f"config.hidden={spec.hidden} is not divisible by heads={spec.heads}")
+    return {**internal_config(hf_config(spec)), "eos_token_ids": list(TINY_EOS_IDS)}
 
 
 def validate_config(config: dict) -> dict:
@@ -185,8 +216,22 @@ def check_weights(config: dict, weights: dict[str, np.ndarray]) -> None:
 
 # ---------------------------------------------------------------- creation
 
+def _rare_tiny_tokens() -> list[int]:
+    """Tiny-tokenizer ids given logit 0 (rare, never a greedy pick): the special tokens, and byte pieces that
+    are not text alone (half a UTF-8 character, control bytes), so the random model's text reads as words."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(TINY_TOKENIZER_DIR / "tokenizer.json"))
+    rare = list(TINY_SPECIAL_IDS)
+    for i in range(TINY_SPECIAL_IDS.start):
+        text = tokenizer.decode([i])
+        if not text or "\ufffd" in text or any(not c.isprintable() and c not in " \n" for c in text):
+            rare.append(i)
+    return rare
+
+
 def _init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic random init, scaled so logits have std ~1 (not flat)."""
+    """Deterministic random init under Hugging Face names, scaled so logits are not flat (std ~2.5) and
+    the special tokens' logits are 0: never a greedy pick, rare when sampled (Llama has no output bias)."""
     rng = np.random.default_rng(seed)
     depth_scale = 1.0 / np.sqrt(2.0 * config["layers"])  # residual adds stay O(1)
     weights = {}
@@ -200,16 +245,10 @@ def _init_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             if name.endswith(("attn.wo", "mlp.w2")):
                 w *= np.float32(depth_scale)
         weights[name] = w
-    # A real output bias: printable ASCII preferred (readable demo text), EOS
-    # rare but possible, BOS/PAD never (they are input-only tokens).
-    bias = np.zeros(config["vocab_size"], np.float32)
-    bias[32:127] = 2.0
-    bias[10] = 2.0
-    bias[_EOS] = -4.0
-    bias[[_BOS, _PAD]] = -30.0
-    weights["lm_head_bias"] = bias
+    weights["lm_head"] *= np.float32(2.5)
+    weights["lm_head"][_rare_tiny_tokens()] = 0.0
     dtype = np.dtype(config["dtype"])
-    return {k: v.astype(dtype) for k, v in weights.items()}
+    return {hf_name(n): v.astype(dtype) for n, v in weights.items()}
 
 
 def _shard_names(names: list[str], sizes: list[int], shards: int) -> list[list[str]]:
@@ -243,15 +282,24 @@ def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
             f"{target} already exists and is not empty; remove it or use "
             "ensure_tiny_checkpoint to reuse it"
         )
-    config = spec_config(spec)
-    weights = _init_weights(config, spec.seed)
+    weights = _init_weights(spec_config(spec), spec.seed)
     names = list(weights)
     groups = _shard_names(names, [weights[n].nbytes for n in names], spec.shards)
-    blobs = {CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+
+    def as_json(value: dict) -> bytes:
+        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+    blobs = {CONFIG_FILE: as_json(hf_config(spec)),
+             GENERATION_CONFIG: as_json({"bos_token_id": TINY_BOS, "eos_token_id": list(TINY_EOS_IDS)})}
+    blobs |= {name: (TINY_TOKENIZER_DIR / name).read_bytes() for name in TINY_TOKENIZER_FILES}
+    shard_of = {}
     for k, group in enumerate(groups, start=1):
-        shard = f"model-{k:05d}-of-{spec.shards:05d}.safetensors"
-        blobs[shard] = safetensors.numpy.save({n: weights[n] for n in group},
-                                              metadata={"format": "np"})
+        shard = SINGLE_FILE if spec.shards == 1 else f"model-{k:05d}-of-{spec.shards:05d}.safetensors"
+        blobs[shard] = safetensors.numpy.save({n: weights[n] for n in group}, metadata={"format": "pt"})
+        shard_of |= dict.fromkeys(group, shard)
+    if spec.shards > 1:
+        size = sum(w.nbytes for w in weights.values())
+        blobs[INDEX_FILE] = as_json({"metadata": {"total_size": size}, "weight_map": shard_of})
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
@@ -275,6 +323,15 @@ def create_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
     return target
 
 
+def _is_old_tiny(raw: bytes) -> bool:
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(config, dict) and config.get("format") == FORMAT and \
+        (config.get("init") or {}).get("kind") == "tiny-random"
+
+
 def ensure_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(),
                            progress: Progress | None = None) -> Path:
     """Create the checkpoint if absent; otherwise check it is ``spec``'s and intact."""
@@ -292,10 +349,13 @@ def ensure_tiny_checkpoint(directory: str | os.PathLike, spec: TinyModelSpec = T
                 raise
     # Verify first, so a corrupt config.json reads as corruption, not as another model.
     verify_checkpoint(target, progress)
-    try:
-        config = json.loads(read_bytes(target, CONFIG_FILE, None))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{target / CONFIG_FILE} is not valid JSON ({e})") from e
+    raw = read_bytes(target, CONFIG_FILE, None)
+    if _is_old_tiny(raw):  # made by an earlier version (byte tokenizer, own layout): generated data, made anew
+        log.warning("%s holds a tiny model in the older exaserve-llama-v1 layout; re-creating it in Hugging "
+                    "Face layout", target)
+        shutil.rmtree(target)
+        return ensure_tiny_checkpoint(target, spec, progress)
+    config = parse_config(target, raw)
     want = spec_config(spec)
     diff = sorted(k for k in set(want) | set(config) if want.get(k) != config.get(k))
     if diff:

@@ -58,6 +58,18 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
+_HF_OF_LAYER = {v: k for k, v in _LAYER.items()}
+_HF_OF_TOP = {v: k for k, v in _TOP.items()}
+
+
+def hf_name(internal: str) -> str:
+    """The Hugging Face name of an internal tensor name (the inverse of ``internal_name``)."""
+    if internal in _HF_OF_TOP:
+        return _HF_OF_TOP[internal]
+    _, layer, part = internal.split(".", 2)
+    return f"model.layers.{layer}.{_HF_OF_LAYER[part]}"
+
+
 def is_hf_config(raw: dict) -> bool:
     """Whether a parsed config.json is Hugging Face's (it names a ``model_type``)."""
     return isinstance(raw, dict) and "model_type" in raw and "format" not in raw
@@ -159,6 +171,7 @@ def internal_config(raw: dict, where: str = "config.json") -> dict:
         "qkv_bias": model_type == "qwen2" or bias,
         "o_bias": model_type != "qwen2" and bias,
         "dtype": str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        **({"init": raw["exaserve_tiny"]} if isinstance(raw.get("exaserve_tiny"), dict) else {}),
     }
 
 

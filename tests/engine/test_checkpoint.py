@@ -38,7 +38,10 @@ def flip_last_byte(path):
 def test_creation_is_deterministic(tmp_path):
     a = files_of(create_tiny_checkpoint(tmp_path / "a", SMALL))
     b = files_of(create_tiny_checkpoint(tmp_path / "b", SMALL))
-    assert set(a) == {"config.json", "manifest.json", SHARD1, "model-00002-of-00002.safetensors"}
+    # Hugging Face layout: index + shards, the tiny tokenizer and chat template, the generation config
+    assert set(a) == {"config.json", "manifest.json", SHARD1, "model-00002-of-00002.safetensors",
+                      "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json", "chat_template.jinja"}
     assert a == b
     c = files_of(create_tiny_checkpoint(tmp_path / "c", TinyModelSpec(**{**SMALL.__dict__, "seed": 1})))
     assert c[SHARD1] != a[SHARD1]
@@ -48,11 +51,13 @@ def test_load_returns_config_and_every_weight(ckpt):
     seen = []
     config, weights = load_checkpoint(ckpt, progress=lambda done, total: seen.append((done, total)))
     assert config == spec_config(SMALL)
-    assert config["format"] == "exaserve-llama-v1"
+    assert config["format"] == "hf" and config["eos_token_ids"] == [481, 484]
     for name, shape in weight_shapes(config).items():
         assert weights[name].shape == shape and weights[name].dtype == np.float32
-    assert weights["lm_head_bias"][257] < 0  # EOS made rare by a real weight
-    total = sum(p.stat().st_size for p in ckpt.iterdir() if p.name != "manifest.json")
+    assert "lm_head_bias" not in weights  # a Llama checkpoint as transformers writes it: no output bias
+    assert not weights["lm_head"][[481, 484]].any()  # EOS made rare (logit 0) by the weights themselves
+    read = ["config.json", "generation_config.json", *sorted(p.name for p in ckpt.glob("model-*.safetensors"))]
+    total = sum((ckpt / name).stat().st_size for name in read)  # the tokenizer's files are the gateway's
     assert seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
@@ -131,7 +136,7 @@ def test_missing_and_truncated_files(ckpt):
     (ckpt / SHARD1).unlink()
     with pytest.raises(CheckpointError, match=f"{SHARD1} is missing"):
         load_checkpoint(ckpt)
-    with pytest.raises(CheckpointError, match="incomplete shard set"):
+    with pytest.raises(CheckpointError, match=f"missing shard.*{SHARD1}.*that model.safetensors.index.json lists"):
         load_checkpoint(ckpt, verify=False)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(ckpt.parent / "nowhere")
@@ -176,14 +181,16 @@ def test_float16_and_three_shards(tmp_path):
     config, weights = load_checkpoint(ckpt)
     assert config["dtype"] == "float16"
     assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
-    assert set(weights) == set(weight_shapes(config)) | {"lm_head_bias"}
+    assert set(weights) == set(weight_shapes(config))
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
 
 
 @pytest.mark.parametrize("fields, match", [
     ({"heads": 4, "kv_heads": 3}, "not a multiple of kv_heads=3"),
     ({"hidden": 30, "heads": 4}, "not divisible by heads=4"),
     ({"dtype": "bfloat16"}, "float32, float16"),
-    ({"vocab_size": 100}, "at least 259"),
+    ({"vocab_size": 100}, "at least 485"),
     ({"layers": 0}, "layers must be a positive integer"),
     ({"shards": 99}, "into 99 shards"),
 ])

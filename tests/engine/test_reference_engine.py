@@ -220,8 +220,8 @@ def test_bad_requests_are_rejected_clearly(make):
     engine.add_request(req("dup"))
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request(req("dup"))
-    with pytest.raises(ValueError, match="token id 300 is outside"):
-        engine.add_request(EngineRequest("v", [256, 300], 4))
+    with pytest.raises(ValueError, match="token id 900 is outside"):
+        engine.add_request(EngineRequest("v", [256, 900], 4))
     with pytest.raises(ValueError, match="temperature must be between 0 and 100"):
         req("t", temperature=-1.0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
