@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
 from exaserve_hpc.config import SiteConfig
-from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
+from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError
 from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.quota.keys import KeyRing, plaintext_warnings
@@ -37,6 +37,7 @@ from exaserve_hpc.router.admission import (
     Admission, ApiError, BodyLimit, from_backend_error, internal_error, error_response,
 )
 from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
+from exaserve_hpc.router.model_tokenizers import ModelTokenizers
 from exaserve_hpc.router.generation import (
     CHAT, COMPLETIONS, Generation, collect_unless_disconnected, json_answer, sse_events,
 )
@@ -126,7 +127,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     ``ledger``: a quota.ledger.UsageLedger every finished request is recorded in (None: not recorded).
     ``admission``: shared with other gateways (``site_admission``); default, this app's own over ``ledger``.
     """
-    tokenizer = ByteTokenizer()
+    tokenizers = ModelTokenizers(site)
     admission = admission if admission is not None else site_admission(site, ledger)
     keyring = KeyRing.from_site(site)  # hashes only; a key file open to others is refused here
     for warning in plaintext_warnings(site):
@@ -199,6 +200,14 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         raise ApiError(404, f"model {name!r} is not served here; served models: {names} (GET /v1/models)",
                        param="model", code="model_not_found")
 
+    def tokenizer_of(model: ModelInfo) -> ModelTokenizer:
+        try:
+            return tokenizers.get(model.name)
+        except TokenizerError as exc:  # the checkpoint's tokenizer files: the operator's to fix, not the caller's
+            log.error("model %s: %s", model.name, exc)
+            raise ApiError(503, f"model {model.name!r} cannot tokenize requests now: {exc}",
+                           code="tokenizer_unavailable", retry_after=30) from exc
+
     def fit_completion(model: ModelInfo, prompt_tokens: int, requested: Optional[int], field: str,
                        prompt_field: str) -> int:
         """Completion tokens to ask for: the request's, checked against max_seq_len, or the site default."""
@@ -218,7 +227,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         return requested
 
     async def generate(request: Request, endpoint: str, body: api.GenerationParams, model: ModelInfo,
-                       prompt_ids: list[int], max_tokens: int, group: Optional[str]) -> Response:
+                       prompt_ids: list[int], max_tokens: int, group: Optional[str],
+                       tokenizer: ModelTokenizer) -> Response:
         arrived = time.perf_counter()
         if model.name not in from_zero and not serving_now():
             # What /health says: waiting for a replica would only end in a 503 after first_token_timeout.
@@ -235,7 +245,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             prefix_scheme=hasher.scheme if hasher else "")
         logs.REQUEST_ID.set(rid)  # this task's log lines carry it (--log-format json)
         try:
-            gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived)
+            gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived, tokenizer.incremental())
         except Exception as exc:  # a backend whose stream() fails before returning a generator
             ticket.release()
             log.exception("request %s could not be started", rid)
@@ -269,21 +279,31 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
     async def completions(body: api.CompletionRequest, request: Request,
                           group: Optional[str] = Depends(caller_group)) -> Response:
         model = served_model(body.model, request, group)
-        prompt_ids = tokenizer.encode(body.prompt)
+        tokenizer = tokenizer_of(model)
+        prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=True)
+        if not prompt_ids:
+            raise ApiError(400, "prompt is empty and this model's tokenizer adds no BOS token; send some text",
+                           param="prompt", code="invalid_value")
         max_tokens = fit_completion(model, len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
-        return await generate(request, COMPLETIONS, body, model, prompt_ids, max_tokens, group)
+        return await generate(request, COMPLETIONS, body, model, prompt_ids, max_tokens, group, tokenizer)
 
     @app.post("/v1/chat/completions", response_model=None, summary="Answer a chat conversation")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request,
                                group: Optional[str] = Depends(caller_group)) -> Response:
         model = served_model(body.model, request, group)
-        try:
-            prompt_ids = tokenizer.encode(apply_chat_template(body.messages))
+        tokenizer = tokenizer_of(model)
+        try:  # the model's own chat template; its raise_exception (e.g. roles out of order) is the caller's 400
+            prompt_ids = tokenizer.encode_chat(body.messages, add_generation_prompt=True)
+        except TokenizerError as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from exc
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
+        if not prompt_ids:
+            raise ApiError(400, "messages render to an empty prompt with this model's chat template",
+                           param="messages", code="invalid_value")
         requested, field = body.completion_limit
         max_tokens = fit_completion(model, len(prompt_ids), requested, field, "messages")
-        return await generate(request, CHAT, body, model, prompt_ids, max_tokens, group)
+        return await generate(request, CHAT, body, model, prompt_ids, max_tokens, group, tokenizer)
 
     @app.get("/v1/models", summary="List the served models")
     async def list_models(group: Optional[str] = Depends(caller_group)) -> dict:

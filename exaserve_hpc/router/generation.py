@@ -16,7 +16,6 @@ import anyio
 from fastapi import Request
 
 from exaserve_hpc import metrics
-from exaserve_hpc.engine.tokenizer import IncrementalDecoder
 from exaserve_hpc.protocol import GenerateRequest, TokenChunk
 from exaserve_hpc.router import openai_api as api
 from exaserve_hpc.router.admission import Ticket, internal_error
@@ -72,14 +71,16 @@ class Generation:
     """
 
     def __init__(self, backend: GatewayBackend, request: GenerateRequest, stops: list[str], ticket: Ticket,
-                 arrived: float):
+                 arrived: float, decoder):
+        """``decoder``: the model tokenizer's incremental detokenizer for this request (``feed(ids)`` -> text
+        that is final, ``flush()`` at the end)."""
         self.request = request
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         self._chunks = backend.stream(request)
         self._first: Optional[TokenChunk] = None
-        self._decoder = IncrementalDecoder()
+        self._decoder = decoder
         self._stops = StopMatcher(stops)
         self._ticket = ticket
         self._arrived = arrived

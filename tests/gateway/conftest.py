@@ -42,8 +42,9 @@ def make_site(gateway: Optional[dict] = None, quota_groups: Optional[list] = Non
               other_min_replicas: Optional[int] = None) -> SiteConfig:
     return parse_site({
         "site": "gateway-test",
-        "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN},
-                   {"model_name": "other", "max_seq_len": 64, "min_replicas": other_min_replicas}],
+        # echo: an engine without weights, so the gateway tokenizes with the byte tokenizer the fake backend echoes
+        "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN, "engine": "echo"},
+                   {"model_name": "other", "max_seq_len": 64, "min_replicas": other_min_replicas, "engine": "echo"}],
         "gateway": gateway or {},
         "quota_groups": quota_groups or [],
     })

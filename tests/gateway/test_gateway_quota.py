@@ -23,8 +23,8 @@ CLIMATE, BIO = "exa-climate-key-0123456789abcdef", "exa-bio-key-0123456789abcdef
 def quota_site(**extra):
     return parse_site({
         "site": "quota-test", "gateway": {"require_api_key": True},
-        "models": [{"model_name": MODEL, "max_seq_len": 256},
-                   {"model_name": "private", "max_seq_len": 256, "visible_to": ["climate"]}],
+        "models": [{"model_name": MODEL, "max_seq_len": 256, "engine": "echo"},
+                   {"model_name": "private", "max_seq_len": 256, "visible_to": ["climate"], "engine": "echo"}],
         "quota_groups": [{"name": "climate", "account": "clim001", "api_key_hashes": [hash_key(CLIMATE)]},
                          {"name": "bio", "account": "bio002", "api_key_hashes": [hash_key(BIO)]}], **extra})
 
@@ -87,7 +87,7 @@ def test_every_finished_request_is_in_the_ledger_with_its_group_account_and_mode
 def test_two_groups_contend_on_one_model_at_the_gateway(start_gateway):
     site = parse_site({
         "site": "shares", "gateway": {"require_api_key": True}, "batching": {"max_batch_size": 8},
-        "models": [{"model_name": "m", "replicas": 1, "max_seq_len": 256}],
+        "models": [{"model_name": "m", "replicas": 1, "max_seq_len": 256, "engine": "echo"}],
         "quota_groups": [{"name": "owner", "guaranteed_share": 0.5, "burst_share": 0.5,
                           "api_key_hashes": [hash_key("key-owner-0123456789")]},
                          {"name": "burst", "burst_share": 0.75, "api_key_hashes": [hash_key("key-burst-0123456789")]}]})
