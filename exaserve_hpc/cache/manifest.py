@@ -188,8 +188,9 @@ def compare_digests(path: Path, entry: dict, actual: dict[str, str]) -> None:
     if any(actual[d] != entry[d] for d in actual):
         sums = "; ".join(f"{d} expected {entry[d]}, actual {actual[d]}" for d in actual)
         raise ChecksumError(
-            f"{path} is corrupt: {sums}. Nothing of it was used; re-copy the file from the "
-            f"shared store or re-create the checkpoint with `exaserve model create-tiny {path.parent}`"
+            f"{path} is corrupt: {sums}. Nothing of it was used; re-copy the file from the shared store, "
+            f"import the checkpoint again (`exaserve model import SRC --name {path.parent.name} --force`), or, "
+            f"for a tiny model, remove {path.parent} to have it re-created"
         )
 
 

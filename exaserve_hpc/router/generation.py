@@ -109,6 +109,10 @@ class Generation:
             elif chunk.finished:
                 text += self._stops.flush()
                 self.finish_reason = chunk.finish_reason or "stop"
+                if chunk.finish_reason == "stop":
+                    # The engine stopped on an EOS / stop id: generated, so counted (as vLLM and OpenAI count
+                    # it), but never sent (engine/base.py StepOutput)
+                    self.completion_tokens += 1
             if text:
                 yield text
             if self.finish_reason:
