@@ -59,6 +59,9 @@ class GenerateRequest(_Msg, tag="gen"):
     hashes_packed: bytes = b""
     # The sender reads TokenChunks: the router may send it this request's chunks batched with others'.
     batch_replies: bool = False
+    # Generating one of these ends the request ("stop"; not sent, counted): the model's EOS ids as the
+    # gateway's tokenizer read them from the checkpoint (generation_config.json). Empty: the engine's own.
+    stop_token_ids: list[int] = []
 
 
 class Abort(_Msg, tag="abort"):

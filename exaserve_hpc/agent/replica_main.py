@@ -283,7 +283,7 @@ class ReplicaServer:
             self.engine.add_request(EngineRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                seed=request.seed))
+                seed=request.seed, stop_token_ids=tuple(request.stop_token_ids) or None))
         except ValueError as exc:
             self._send(RequestError(request_id=request.request_id, status=400, code="invalid_request",
                                     message=str(exc)))

@@ -366,7 +366,8 @@ class Dispatcher:
             request_id=request.request_id, model=request.model,
             prompt_token_ids=list(request.prompt_token_ids) + entry.sent_tokens,
             max_tokens=request.max_tokens - sent, temperature=request.temperature, top_p=request.top_p,
-            seed=request.seed, timeout=request.timeout, quota_group=request.quota_group, resumed_tokens=sent)
+            seed=request.seed, timeout=request.timeout, quota_group=request.quota_group, resumed_tokens=sent,
+            stop_token_ids=request.stop_token_ids)
         return [Outgoing(REPLICA, replica_id.encode(), to_send)]
 
     def _drain_pending(self, now: float) -> list[Outgoing]:

@@ -110,6 +110,7 @@ class RoutedRequest(msgspec.Struct, tag_field="t", tag="gen", omit_defaults=True
     prompt_packed: bytes = b""
     hashes_packed: bytes = b""
     batch_replies: bool = False
+    stop_token_ids: list[int] = []
 
     @property
     def prompt_token_ids(self) -> PromptTokens:

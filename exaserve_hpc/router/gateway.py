@@ -242,6 +242,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             request_id=rid, model=model.name, prompt_token_ids=prompt_ids,
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             quota_group=group, prefix_hashes=hasher(prompt_ids) if hasher else [],
+            stop_token_ids=sorted(tokenizer.eos_token_ids),
             prefix_scheme=hasher.scheme if hasher else "")
         logs.REQUEST_ID.set(rid)  # this task's log lines carry it (--log-format json)
         try:
