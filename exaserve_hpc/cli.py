@@ -363,9 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "account, group or model")
     add_usage_arguments(usage, site_help)
 
-    model = commands.add_parser("model", help="create or verify model checkpoints")
+    model = commands.add_parser("model", help="create, import or verify model checkpoints (Hugging Face layout)")
     model_commands = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    tiny = model_commands.add_parser("create-tiny", help="write a small random Llama-style checkpoint")
+    tiny = model_commands.add_parser("create-tiny", help="write a small random Llama-3-style checkpoint (Hugging Face layout)")
     tiny.add_argument("dir")
     for flag, default in (("layers", 2), ("hidden", 64), ("heads", 4), ("kv-heads", 2), ("intermediate", 172),
                           ("max-position", 2048), ("seed", 0), ("shards", 2)):
