@@ -22,7 +22,8 @@ import httpx
 import openai
 import pytest
 
-from exaserve_hpc.engine.tokenizer import ByteTokenizer
+from exaserve_hpc.cache.checkpoint import TINY_TOKENIZER_DIR
+from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router.canary import sticky_bucket
 from serve_harness import start_serve, stop_serve, write_local_site
@@ -90,8 +91,11 @@ def versions_of(status_: dict) -> list[str]:
     return sorted(r["version"] for r in status_["replicas"])
 
 
+TOKENIZER = HfTokenizer.from_dir(TINY_TOKENIZER_DIR)
+
+
 def bucket(prompt: str) -> float:
-    tokens = ByteTokenizer().encode(prompt)  # as the gateway tokenises a completions prompt
+    tokens = TOKENIZER.encode(prompt)  # as the gateway tokenises a completions prompt (the tiny model's BPE)
     return sticky_bucket(GenerateRequest(request_id="", model=MODEL, prompt_token_ids=tokens, max_tokens=1))
 
 

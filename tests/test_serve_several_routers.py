@@ -150,7 +150,8 @@ def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):
 def test_in_precise_mode_a_router_finds_the_prefix_another_router_placed(tmp_path):
     """KV events keep every router's index: a prompt first served through gateway 0 (router 0) is routed
     by affinity when it comes again through gateway 1, whose router never routed it."""
-    from exaserve_hpc.engine.tokenizer import ByteTokenizer
+    from exaserve_hpc.cache.checkpoint import TINY_TOKENIZER_DIR
+    from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
     from serve_harness import write_local_site
 
     site_file = write_local_site(tmp_path, router={"count": 2, "policy": "prefix_affinity",
@@ -160,7 +161,7 @@ def test_in_precise_mode_a_router_finds_the_prefix_another_router_placed(tmp_pat
         url0, url1 = plane.gateway_urls
         router1 = plane.routers.local[1]
         prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 2
-        prompt_ids = ByteTokenizer().encode(prompt)  # what the gateways send the routers
+        prompt_ids = HfTokenizer.from_dir(TINY_TOKENIZER_DIR).encode(prompt)  # what the gateways send the routers
 
         def indexed_blocks(dispatcher) -> tuple[int, int]:  # (blocks of the prompt router 1's index holds, of all)
             hashes = dispatcher.policy.routing_key(prompt_ids).block_hashes
