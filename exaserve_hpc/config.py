@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine.registry import ENGINE_NAMES, engine_publishes_kv_events, unavailable_engines
+from .engine.registry import ENGINE_NAMES, engine_publishes_kv_events, engine_spec, unavailable_engines
 from .router.policies import POLICY_NAMES
 from .config_bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
 from .slurm.hostlist import expand_hostlist
@@ -140,6 +140,13 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) exceeds tiny.max_position ({self.tiny.max_position})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_runs_this_shape(self) -> "ModelConfig":
+        why = engine_spec(self.engine).pipeline_refusal
+        if self.pipeline_parallel > 1 and why:
+            raise ValueError(f"pipeline_parallel {self.pipeline_parallel} with engine {self.engine}: {why}")
         return self
 
 
@@ -419,6 +426,29 @@ class SiteConfig(_Section):
     usage_dir: Optional[str] = None
 
     @model_validator(mode="after")
+    def _trtllm_fits_one_node(self) -> "SiteConfig":
+        gpus = self.cluster.gpus_per_node
+        for i, m in enumerate(self.models):
+            if m.engine == "trtllm" and gpus and m.tensor_parallel > gpus:
+                raise ValueError(f"models[{i}] ({m.model_name}): tensor_parallel {m.tensor_parallel} with engine trtllm "
+                                 f"needs {m.tensor_parallel} GPUs on one node, but cluster.gpus_per_node is {gpus}: a "
+                                 "TensorRT-LLM replica does not span nodes")
+        return self
+
+    @model_validator(mode="after")
+    def _trtllm_blocks_are_a_power_of_two(self) -> "SiteConfig":
+        # in precise mode the engine's KV block is the router's (engine/registry.py); TensorRT-LLM's
+        # tokens_per_block must be a power of two
+        size = self.router.block_size
+        if self.router.prefix_mode == "precise" and size & (size - 1):
+            trt = [m.model_name for m in self.models if m.engine == "trtllm"]
+            if trt:
+                raise ValueError(f"router.block_size {size} is not a power of two, which TensorRT-LLM's KV blocks "
+                                 f"(tokens_per_block) must be in precise prefix mode (models {', '.join(trt)}); "
+                                 "use 16, 32 or 64")
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> "SiteConfig":
         _require_unique("models", [m.model_name for m in self.models])
         _require_unique("quota_groups", [g.name for g in self.quota_groups])
@@ -466,6 +496,13 @@ class SiteConfig(_Section):
             warnings += [f"models[{i}].engine: {m.engine} publishes no KV events, so router.prefix_mode precise "
                          f"routes model {m.model_name} by load only" for i, m in enumerate(self.models)
                          if not engine_publishes_kv_events(m.engine)]
+        for engine in dict.fromkeys(m.engine for m in self.models):  # knobs the site sets that an engine lacks
+            ignored = [k for k in engine_spec(engine).ignored_batching if k in self.batching.model_fields_set]
+            if ignored:
+                models = ", ".join(m.model_name for m in self.models if m.engine == engine)
+                warnings.append(f"batching.{', batching.'.join(ignored)}: not applied to {engine} replicas (models "
+                                f"{models}): the engine batches by its own scheduler; max_batch_size, chunked_prefill "
+                                f"and prefill_chunk_tokens are mapped")
         return warnings
 
     @property

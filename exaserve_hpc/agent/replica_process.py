@@ -90,9 +90,33 @@ def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+# The Slurm step's MPI wiring: what srun (--mpi=pmix|pmi2), mpirun and the PMI libraries put in a task's
+# environment so that an MPI_Init there joins the step's job. A replica whose engine starts MPI workers of its
+# own (TensorRT-LLM's MpiPoolSession for TP) must not see them, or those workers try to join the srun step.
+MPI_WIRING_PREFIXES = ("PMIX_", "PMI_", "OMPI_", "PRTE_", "ORTE_", "HYDRA_", "I_MPI_", "SLURM_STEP_",
+                       "SLURM_PMIX", "SLURM_PMI", "SLURM_SRUN_COMM_", "SLURM_CPU_BIND")
+MPI_WIRING_NAMES = frozenset({
+    "SLURM_STEPID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+    "SLURM_TASKS_PER_NODE", "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_MPI_TYPE",
+    "SLURM_DISTRIBUTION"})
+
+
+def without_mpi_wiring(env: dict[str, str]) -> dict[str, str]:
+    """`env` less the step's PMIx/MPI/task variables (MPI_WIRING_*); the job's own (SLURM_JOB_*) stay."""
+    return {k: v for k, v in env.items() if not k.startswith(MPI_WIRING_PREFIXES) and k not in MPI_WIRING_NAMES}
+
+
+# what the replica may use per device: its engine's memory bound (engine/trtllm_backend.py RESERVED_ENV)
+RESERVED_BYTES_ENV = "EXASERVE_RESERVED_BYTES_PER_DEVICE"
+
+
 def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str,
           extra_env: Optional[dict[str, str]] = None) -> None:
-    """Start the replica process; it reports on a pipe the agent reads without blocking."""
+    """Start the replica process; it reports on a pipe the agent reads without blocking.
+
+    Its environment: the agent's (replica_env), its binding's (CUDA_VISIBLE_DEVICES = exactly its reserved
+    devices), its reservation per device, and, for engines that start MPI workers of their own
+    (EngineSpec.isolate_mpi), none of the step's MPI wiring."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     command = [sys.executable, "-m", "exaserve_hpc.agent.replica_main", "--spec", encode(slot.spec).hex(),
@@ -101,10 +125,15 @@ def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str,
         command += ["--weights-dir", weights_dir, "--weights-source", source]
     binding = slot.binding
     env = {**(extra_env or {}), **(binding.env if binding else {})}
+    if slot.reservation is not None:
+        env[RESERVED_BYTES_ENV] = str(slot.reservation.bytes_per_device)
+    env = replica_env(env)
+    engine = ENGINES.get(slot.spec.settings.engine)
+    if engine is not None and engine.isolate_mpi:
+        env = without_mpi_wiring(env)
     try:
         with thread_affinity(binding.cpus if binding else None):
-            slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                                            env=replica_env(env))
+            slot.process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=env)
     finally:
         os.close(write_fd)
     slot.status_fd = read_fd

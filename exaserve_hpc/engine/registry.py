@@ -38,6 +38,14 @@ class EngineSpec:
     reads_tiny: bool         # reads the checkpoints `exaserve model create-tiny` writes (a `tiny:` section)
     kv_events: bool          # publishes KV-cache events (precise prefix routing)
     kv_snapshots: bool       # its prefix cache can be written and loaded (engine/kv_snapshot.py) on a move
+    # Why models with pipeline_parallel > 1 cannot run this engine ("" = `config check` lets them through);
+    # exaserve's pipeline stages are processes on different nodes (agent/pipeline_stage.py)
+    pipeline_refusal: str = ""
+    # The replica process starts without the Slurm step's PMIx/MPI wiring (agent/replica_process.py): engines
+    # that start MPI workers of their own (TensorRT-LLM for TP) must not join the srun step's MPI job
+    isolate_mpi: bool = False
+    # batching knobs (config.BatchingConfig fields) the engine does not apply; `config check` names them
+    ignored_batching: tuple[str, ...] = ()
     package: str = ""        # the third-party module it imports; "" = only exaserve's own dependencies
     install: str = ""        # how to get that package
     summary: str = ""
@@ -109,16 +117,35 @@ def _build_timing(replica: "StartReplica", weights: Weights, **extra) -> "Engine
     return TimingEngine(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
 
 
+def reserved_bytes_per_device(replica: "StartReplica") -> int:
+    """Bytes per device placement reserved for this replica: 0 when the controller gave no figure (then the
+    agent's reservation is only its estimate from the checkpoint, no bound to size a KV pool by); else what
+    the agent reserved for it (the figure rounded up to the pool's blocks, in the replica's environment,
+    agent/replica_process.py), or the figure itself."""
+    import os
+    from .trtllm_backend import RESERVED_ENV
+    if not replica.memory_bytes:
+        return 0
+    try:
+        return max(int(os.environ.get(RESERVED_ENV, "0")), replica.memory_bytes)
+    except ValueError:
+        return replica.memory_bytes
+
+
 def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
     from .trtllm_backend import TrtLlmEngine
     s = replica.settings
+    options = _options(replica, integers=("block_size", "pipeline_parallel_size"), floats=("gpu_memory_utilization",))
+    devices, pp = max(1, replica.devices), options.get("pipeline_parallel_size", 1)
+    if devices % pp:
+        raise ValueError(f"pipeline_parallel_size {pp} does not divide the replica's {devices} device(s)")
     return TrtLlmEngine(
-        weights or replica.model_dir, tensor_parallel_size=max(1, replica.devices),
+        weights or replica.model_dir, tensor_parallel_size=devices // pp,
         max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
         enable_prefix_caching=s.enable_prefix_caching, kv_cache_dtype=s.kv_cache_dtype,
         chunked_prefill=s.chunked_prefill, prefill_chunk_tokens=s.prefill_chunk_tokens,
-        **_options(replica, integers=("block_size", "pipeline_parallel_size"),
-                   floats=("gpu_memory_utilization",)))
+        reserved_bytes=reserved_bytes_per_device(replica) or None, replica_id=replica.replica_id,
+        **options, **extra)
 
 
 def _paged_site_options(site, model) -> dict[str, float]:
@@ -127,10 +154,14 @@ def _paged_site_options(site, model) -> dict[str, float]:
 
 
 def _trtllm_site_options(site, model) -> dict[str, float]:
-    return {"gpu_memory_utilization": model.gpu_memory_utilization}
+    return {"gpu_memory_utilization": model.gpu_memory_utilization, **_paged_site_options(site, model)}
 
 
 TRTLLM_INSTALL = "pip install 'exaserve-hpc[trtllm]'"
+TRTLLM_NO_PIPELINE = (  # `config check` prints at most 300 characters of it
+    "TensorRT-LLM runs a replica as one process on one node, but pipeline stages span nodes (reference "
+    "engine only); use pipeline_parallel: 1, tensor_parallel <= cluster.gpus_per_node (a quantized "
+    "checkpoint if it does not fit)")
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("reference", _build_reference, needs_weights=True, loads_in_process=True, reads_tiny=True,
@@ -143,7 +174,9 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                kv_events=True, kv_snapshots=False, site_options=_paged_site_options,
                summary="the reference scheduler paced by a GPU cost model (benchmarks, simulator)"),
     EngineSpec("trtllm", _build_trtllm, needs_weights=True, loads_in_process=False, reads_tiny=False,
-               kv_events=False, kv_snapshots=False, package="tensorrt_llm", install=TRTLLM_INSTALL,
+               kv_events=True, kv_snapshots=False, isolate_mpi=True, pipeline_refusal=TRTLLM_NO_PIPELINE,
+               ignored_batching=("max_wait_ms", "prefill_batch_size", "decode_batch_size"),
+               package="tensorrt_llm", install=TRTLLM_INSTALL,
                site_options=_trtllm_site_options, summary="TensorRT-LLM's LLM API on NVIDIA GPUs"),
 )}
 

@@ -102,38 +102,74 @@ def test_a_timing_replica_serves_a_request_through_the_router(router):
         stop(slot)
 
 
+def trtllm_checkpoint(path: Path, eos=(257,)) -> Path:
+    """A Hugging Face config and generation config: the stand-in reads no weights."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                  "hidden_size": 64, "torch_dtype": "bfloat16"}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
+    return path
+
+
 def test_trtllm_replica_drives_the_llm_api_and_streams_through_the_router(router, tmp_path, monkeypatch):
     record = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TRTLLM_STANDIN_RECORD", str(record))
-    checkpoint = tmp_path / "llama-hf"
-    checkpoint.mkdir()
-    # The stand-in reads no weights; the backend reads the model's EOS ids from its generation config.
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the stand-in counts these: TP 2 needs two
+    checkpoint = trtllm_checkpoint(tmp_path / "llama-hf", eos=(257, 41))
     slot = start(router, "trtllm", str(checkpoint), devices=2, kv_cache_dtype="fp8", prefill_chunk_tokens=128,
                  options={"gpu_memory_utilization": 0.5})
     try:
         prompt = [256, 10, 20, 30, 40]
         tokens, final = generate(router, prompt, 6)
-        assert tokens == [1, 11, 21, 31, 41, 32] and final.finish_reason == "length"  # each prompt token + 1, mod 256
+        assert tokens == [1, 11, 21, 31] and final.finish_reason == "stop"  # 41: the model's second EOS id
+        tokens, final = generate(router, [256, 10, 20], 6)
+        assert tokens == [1, 11, 21, 32, 32, 32] and final.finish_reason == "length"
     finally:
         stop(slot)
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     kinds = [c["call"] for c in calls]
     llm = calls[kinds.index("LLM")]
-    assert llm == {"call": "LLM", "model": str(checkpoint), "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+    assert llm == {"call": "LLM", "model": str(checkpoint), "skip_tokenizer_init": True, "tensor_parallel_size": 2,
                    "max_batch_size": 8, "max_seq_len": 256, "enable_chunked_prefill": True,
                    "max_num_tokens": 128 + 8,
-                   "kv_cache_config": {"enable_block_reuse": True, "dtype": "fp8", "free_gpu_memory_fraction": 0.5,
-                                       "tokens_per_block": 32}}
+                   # the non-defaults: and the event buffer, since a replica publishes KV events
+                   "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": 0.5, "event_buffer_max_size": 16384}}
     assert kinds.index("LLM") < kinds.index("generate") < kinds.index("generate_async")  # warm-up before serving
-    streamed = calls[kinds.index("generate_async")]
+    streamed = [c for c in calls if c["call"] == "generate_async" and c["streaming"]][0]
     assert streamed == {"call": "generate_async", "inputs": prompt, "streaming": True}
     params = [c for c in calls if c["call"] == "SamplingParams"][-1]
-    assert params == {"call": "SamplingParams", "max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": 7,
-                      "stop_token_ids": [257]}
+    assert params == {"call": "SamplingParams", "end_id": 257, "max_tokens": 6, "stop_token_ids": [257, 41],
+                      "top_k": 1, "seed": 7, "ignore_eos": False, "detokenize": False}
     assert kinds[-1] == "shutdown"  # the drained replica closed the LLM
+
+
+def test_trtllm_replica_kv_events_steer_the_routers_precise_mode(tmp_path, monkeypatch):
+    """A real trtllm replica process (the stand-in's TensorRT-LLM, its KV events in the real format) behind a
+    router in precise prefix mode: the router's index holds the prompt's blocks, named as it hashes them."""
+    from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
+    from exaserve_hpc.router.prefix_index import EngineBlockHasher
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
+    policy = PrefixAffinity(AffinitySettings(mode="precise", block_size=16), compiled=False)
+    dispatcher = Dispatcher(policy, DispatchSettings(first_token_timeout=20, replica_expiry=5.0, request_timeout=60),
+                            {"m"})
+    precise = ZmqRouter(dispatcher, context=zmq.Context()).start()
+    slot = start(precise, "trtllm", str(trtllm_checkpoint(tmp_path / "m")), options={"block_size": 16})
+    try:
+        prompt = list(range(300, 340))  # two whole blocks of 16, and a part
+        generate(precise, prompt, 2)
+        hashes = EngineBlockHasher(16)(prompt)
+        deadline = time.monotonic() + 20
+        while not all(policy.index.holders(h) == [slot.spec.replica_id] for h in hashes):
+            assert time.monotonic() < deadline, [policy.index.holders(h) for h in hashes]
+            generate(precise, [7, 8, 9], 1)  # TensorRT-LLM hands out events after each new request
+            time.sleep(0.1)
+    finally:
+        stop(slot)
+        precise.stop()
+        precise.context.destroy(linger=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")
@@ -157,7 +193,7 @@ def test_the_agent_stages_a_trtllm_checkpoint_in_l2_and_reserves_from_its_size(t
     record = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TRTLLM_STANDIN_RECORD", str(record))
-    checkpoint = create_tiny_checkpoint(tmp_path / "l3" / "hf-model", TINY)  # any files with a manifest
+    checkpoint = create_tiny_checkpoint(tmp_path / "l3" / "hf-model", TINY)  # a Hugging Face checkpoint
     agent = AgentUnderTest(tmp_path, block_size=1 << 10)
     try:
         agent.start("t0", checkpoint, engine="trtllm")

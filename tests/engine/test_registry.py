@@ -83,7 +83,7 @@ def test_engine_settings_carry_the_site_into_what_each_engine_takes():
     ref, trt, echo = (engine_settings(site, m) for m in site.models)
     assert (ref.engine, ref.max_batch_size, ref.max_seq_len, ref.prefill_chunk_tokens) == ("reference", 16, 512, 256)
     assert ref.options == {"block_size": 32}  # precise mode: the engine's KV blocks are the router's
-    assert trt.options == {"gpu_memory_utilization": 0.4} and echo.options == {}
+    assert trt.options == {"gpu_memory_utilization": 0.4, "block_size": 32} and echo.options == {}  # TRT-LLM's too
     timing = StartReplica(replica_id="t", model="a", model_dir="-", router_backend="tcp://x:1",
                           settings=EngineSettings(engine="timing", options=ref.options))
     assert build_engine(timing).blocks.block_size == 32

@@ -1,6 +1,7 @@
-"""The stand-in's ``tensorrt_llm.llmapi``: KvCacheConfig keeps its keyword arguments (recorded with LLM's)."""
+"""The stand-in's ``tensorrt_llm.llmapi``: LLM, SamplingParams, KvCacheConfig (what exaserve imports)."""
 
+from ._llm import LLM
+from ._llm_args import KvCacheConfig, TorchLlmArgs
+from .sampling_params import SamplingParams
 
-class KvCacheConfig:
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
+__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "TorchLlmArgs"]
