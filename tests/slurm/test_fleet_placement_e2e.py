@@ -5,7 +5,9 @@ spanning two nodes serves the tokens of the unsplit model.
 The site: slurm-local's two fault groups of two nodes (rack-a n1-n2, rack-b n3-n4), 4 GRES GPUs per
 node (stand-in devices: declared to the planner, bound to each replica, computed on the CPU); models
 with TP=2 and fractional replicas (echo engine, fast to start on two shared cores), and one tiny
-reference checkpoint served twice, as PP=2 and as PP=1. Marked slurm: under CI=true it must run.
+reference checkpoint served twice, as PP=2 and as PP=1: the Llama-3-style Hugging Face one transformers wrote
+(tests/fixtures/hf/llama3, BPE tokenizer and chat template), put in the store by `exaserve model import`.
+Marked slurm: under CI=true it must run.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
+from exaserve_hpc.cache.model_import import import_model
+from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
 from exaserve_hpc.config import load_site
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.invariants import plan_violations
@@ -32,7 +35,8 @@ from .fleet import (ROOT, Job, RequestStream, check_devices, cluster, environ, k
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
-TINY = dict(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=96, max_position=256, seed=7)
+HF_FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama3"
+GOLDEN = json.loads((HF_FIXTURE.parent / "golden.json").read_text())["families"]["llama3"]
 MODELS = [
     {"model_name": "tp2", "engine": "echo", "replicas": 2, "tensor_parallel": 2, "gpu_memory_utilization": 0.9},
     {"model_name": "frac", "engine": "echo", "replicas": 4, "gpu_memory_utilization": 0.4},
@@ -45,15 +49,14 @@ KILLED = "n3"  # holds a tp2 and a frac replica (each model has another one serv
 
 
 def fleet_site(directory: Path) -> Path:
-    """slurm-local with MODELS; pp1 and pp2 read the same tiny checkpoint, created here once."""
+    """slurm-local with MODELS; pp1 and pp2 read the same Hugging Face checkpoint, imported here once."""
     data = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
-    checkpoint = directory / "models" / "tiny"
-    create_tiny_checkpoint(checkpoint, TinyModelSpec(**TINY))
+    checkpoint = import_model(HF_FIXTURE, directory / "models", "llama3-tiny")
     models = []
     for model in MODELS:
         model = {**model, "min_replicas": model["replicas"]}  # no autoscaling mid-test
         if model["engine"] == "reference":
-            model.update(model_path=str(checkpoint), tiny=dict(TINY))
+            model.update(model_path=str(checkpoint))
         models.append(model)
     data["models"] = models
     data["scheduler"]["max_replicas_per_node"] = 4
@@ -163,6 +166,18 @@ def test_a_pipeline_replica_spanning_two_nodes_serves_the_tokens_of_the_unsplit_
     for prompt in ("Pipeline stages on two nodes, one replica.", "A second, different prompt"):
         split, whole = complete(job, "pp2", prompt), complete(job, "pp1", prompt)
         assert split and split == whole, (prompt, split, whole)
+    # The model's own tokens through both: transformers' greedy continuation of its golden prompt
+    tokenizer = HfTokenizer.from_dir(HF_FIXTURE)
+    assert complete(job, "pp2", GOLDEN["prompt_text"]) == tokenizer.decode(GOLDEN["greedy_ids"][:12])
+    chat = [c for c in GOLDEN["chat"] if c.get("add_generation_prompt") and "ids" in c][1]["messages"]
+    answers = []
+    for model in ("pp2", "pp1"):
+        response = httpx.post(f"{job.url()}/v1/chat/completions", timeout=60,
+                              json={"model": model, "messages": chat, "max_tokens": 12, "temperature": 0})
+        assert response.status_code == 200, response.text
+        answers.append((response.json()["choices"][0]["message"]["content"], response.json()["usage"]))
+    assert answers[0] == answers[1] and answers[0][1]["prompt_tokens"] == len(
+        [c for c in GOLDEN["chat"] if c.get("add_generation_prompt") and "ids" in c][1]["ids"]), answers
 
 
 def test_a_lost_node_is_re_placed_keeping_the_spread_and_no_request_fails(fleet):
