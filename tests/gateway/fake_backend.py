@@ -1,7 +1,8 @@
 """An in-process GatewayBackend for gateway tests: echoes the prompt back.
 
 The completion is the prompt's own byte tokens (BOS dropped), cut at
-max_tokens, sent a few tokens per chunk. Knobs make it refuse (BackendError),
+max_tokens, sent a few tokens per chunk; a whole echo ends as an engine
+ends on its EOS ("stop": the stop token generated, counted, not sent). Knobs make it refuse (BackendError),
 dawdle between chunks, hold every request until released, or blow up
 mid-stream. It records every request, every abort and every finished stream.
 

@@ -46,7 +46,8 @@ def test_completion_echoes_prompt_with_usage(gateway):
     assert result.object == "text_completion"
     assert result.choices[0].text == "hello world"
     assert result.choices[0].finish_reason == "stop"
-    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (12, 11, 23)
+    # the echo's 11 tokens and the stop token it ended on ("stop": generated, not sent, counted as vLLM counts it)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (12, 12, 24)
     sent = gateway.backend.requests[-1]
     assert sent.prompt_token_ids == TOKENIZER.encode("hello world")
     assert result.id == f"cmpl-{sent.request_id}" and len(sent.request_id) == 32
@@ -99,7 +100,7 @@ def test_completion_stream_with_usage(gateway):
     assert "".join(c.choices[0].text for c in text_chunks) == "streaming works"
     assert text_chunks[-1].choices[0].finish_reason == "stop"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15 + 1  # + the stop token
     assert chunks[-1].usage.prompt_tokens == 16
     assert all(c.usage is None for c in text_chunks)
 
@@ -122,7 +123,7 @@ def test_chat_completion(gateway):
     assert result.choices[0].message.role == "assistant"
     assert result.choices[0].message.content == prompt  # the echo of the templated prompt
     assert result.usage.prompt_tokens == len(TOKENIZER.encode(prompt))
-    assert result.usage.completion_tokens == len(prompt.encode())
+    assert result.usage.completion_tokens == len(prompt.encode()) + 1  # + the stop token
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens(gateway):
@@ -142,7 +143,7 @@ def test_chat_stream_sends_role_first_then_content(gateway):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == apply_chat_template(messages)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].usage.total_tokens == 2 * len(content.encode()) + 1
+    assert chunks[-1].usage.total_tokens == 2 * len(content.encode()) + 1 + 1  # BOS, and the stop token
 
 
 # ------------------------------------------------------------ stop strings
@@ -445,7 +446,7 @@ def test_metrics_count_requests_and_tokens(gateway):
     response = httpx.get(f"{gateway.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     assert metric_value(gateway.url, "exaserve_requests_total", **labels) == before + 1
-    assert metric_value(gateway.url, "exaserve_generated_tokens_total", model=MODEL) == tokens_before + 8
+    assert metric_value(gateway.url, "exaserve_generated_tokens_total", model=MODEL) == tokens_before + 8 + 1
     assert metric_value(gateway.url, "exaserve_requests_total", model="unknown", endpoint="completions",
                         status="404") >= 1
     for name in ("exaserve_time_to_first_token_seconds_count", "exaserve_request_seconds_count",
