@@ -113,6 +113,18 @@ class AgentSupervisor:
     def kill(self) -> None:
         self.stop().kill()
 
+    def check(self, node: str) -> Optional[bool]:
+        """The controller's direct liveness check (scheduler/liveness.py) for `node`: True while this node's
+        agent process runs (however late its heartbeats are), False once it is gone (until its replacement
+        starts), None for another node or a process that cannot be judged (stopped by a signal)."""
+        if node != self.node:
+            return None
+        from .scheduler.liveness import process_running
+        process = self.process
+        if process.poll() is not None:
+            return False
+        return process_running(process.pid)
+
     def _watch(self) -> None:
         while True:
             process = self.process

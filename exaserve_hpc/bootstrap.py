@@ -180,7 +180,35 @@ def make_curve_keys(jobdir: JobDir) -> CurveKeys:
     for name, value in (("server.key", server_secret), ("client.key", client_secret),
                         ("server.pub", server_public), ("client.pub", client_public)):
         jobdir.write_private(f"keys/{name}", value)
+    jobdir.write_private(f"keys/{KV_SALT_FILE}", os.urandom(32))  # the run's block-hash salt, new with its keys
     return keys
+
+
+KV_SALT_FILE = "kv-salt"
+
+
+def run_salt(jobdir: JobDir) -> bytes:
+    """The run's secret block-hash salt (keys/kv-salt, 0600, made with the run's keys); b"" where the run
+    has none (no CURVE keys): block hashes are then unsalted."""
+    try:
+        fd = os.open(jobdir.path / "keys" / KV_SALT_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise BootstrapError(f"the run's block-hash salt in {jobdir.path / 'keys'} cannot be read "
+                             f"({exc.strerror}); the job directory must be shared by every node") from exc
+    with os.fdopen(fd, "rb") as f:
+        return f.read(64)
+
+
+def install_block_hash_salt(jobdir: JobDir) -> bytes:
+    """Key this process's block hashes (engines, the router's and gateway's prompt hashers) with the run's
+    salt. Call it before any engine, router or gateway is made: replicas, router and gateway of one run must
+    hash alike for precise prefix routing, and differently from every other run. Returns the salt."""
+    from .engine.block_manager import set_block_hash_salt
+    salt = run_salt(jobdir)
+    set_block_hash_salt(salt)
+    return salt
 
 
 def load_client_keys(jobdir: JobDir, server_public: str = "") -> CurveKeys:
@@ -205,6 +233,21 @@ def replica_client_keys(env: Mapping[str, str]) -> Optional[CurveKeys]:
     """
     path = env.get(CURVE_JOB_DIR_VARIABLE)
     return load_client_keys(JobDir(Path(path))) if path else None
+
+
+def replica_kv_event_keys(env: Mapping[str, str]) -> Optional[CurveKeys]:
+    """A replica's KV-event publisher keys: a key pair of its own (its public key goes out in its hello,
+    over the router's CURVE backend) admitting only the run's client key, which the router holds; with the
+    run's block-hash salt installed in this process. None (and unsalted hashes) without the run's keys."""
+    path = env.get(CURVE_JOB_DIR_VARIABLE)
+    if not path:
+        return None
+    import zmq
+    jobdir = JobDir(Path(path))
+    client = load_client_keys(jobdir)
+    install_block_hash_salt(jobdir)
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public, secret, client.client_public, b"")
 
 
 def secure_server(sock, keys: CurveKeys, context, name: str = "controller") -> "ZapLease":

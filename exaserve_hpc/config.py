@@ -321,6 +321,15 @@ class GatewayConfig(_Section):
     metrics_key: Optional[str] = Field(None, min_length=16)
     # Half-life of the usage quota groups' fair share decays by (quota/shares.py), as Slurm's PriorityDecayHalfLife
     fair_share_half_life: PositiveDuration = 3600.0
+    # Connections one gateway process holds open (router/http_limits.py); beyond it the oldest idle one is
+    # closed, and when none is idle the new one is answered 503. Also bounded by the process's RLIMIT_NOFILE.
+    max_connections: int = Field(4096, ge=16, le=1_000_000)
+    max_connections_per_client: int = Field(1024, ge=1)  # per peer address (loopback users share 127.0.0.1)
+    header_timeout: PositiveDuration = 10.0  # a request's headers must arrive within this, else it is closed
+    keep_alive_timeout: PositiveDuration = 5.0  # an idle connection (no byte of a next request) is closed after
+    # On a stop (SIGTERM, SIGUSR1, Ctrl-C, a requeue): streams open then have this long to finish; the rest
+    # end with an SSE error event (code server_stopping) and `data: [DONE]` before the gateway stops
+    stop_grace: Duration = Field(10.0, ge=0, le=3600)
 
 
 class RequeueConfig(_Section):

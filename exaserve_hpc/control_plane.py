@@ -12,7 +12,9 @@ each listens; a wildcard is published as the node's address, never 0.0.0.0; IPv6
 
 The one shutdown order, whatever stopped it (a signal: Ctrl-C, scancel's TERM, Slurm's USR1 before
 the time limit; a requeue; a stop file):
-  1. the gateway stops taking requests (uvicorn finishes the open ones, at most 10 s);
+  1. the gateway stops taking requests (its listener closes, /health is 503); open streams get
+     gateway.stop_grace (10 s) to finish while every replica still serves, and those still open then end
+     with an SSE error event (server_stopping) and `data: [DONE]` (control_plane_routing.gateway_server);
   2. stop hooks (the requeue watch, which releases replacement-node jobs);
   3. the controller's state is written (begun at the signal itself, before agents drain);
   4. every agent drains and stops its replicas (controller.shutdown), and this node's agent exits,
@@ -254,6 +256,7 @@ class ControlPlane:
                 on_give_up=self._agent_gave_up)
             self.agent_thread = None
             self._closers.append(self.agent_supervisor.kill)
+            self.controller.process_check = self.agent_supervisor.check  # liveness: the child checked directly
             return
         from .agent.gpu_binding import GpuGrantError
         from .agent.node_agent import NodeAgent, default_l2_root
@@ -271,6 +274,9 @@ class ControlPlane:
         self.agent_supervisor = None
         self.agent_thread = threading.Thread(target=agent.run, name="exaserve-agent-rank0", daemon=True)
         self.agent_thread.start()
+        thread, node = self.agent_thread, s.node
+        # liveness: this node's agent is a thread of this process (alive while it runs; gone once it ends)
+        self.controller.process_check = lambda n: (thread.is_alive() or False) if n == node else None
 
     def _agent_gave_up(self, why: str) -> None:
         """This node's agent cannot be kept running (it refused the node's GPU grant, it keeps dying): stop,
@@ -362,9 +368,11 @@ class ControlPlane:
         late = faults.delay("gateway_late")
         if late:  # a test's window between serve.json and the gateway's own signal handlers
             time.sleep(late)
+        from .router.http_limits import HttpLimits
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
-                                     timeout_graceful_shutdown=10, access_log=False)
+                                     grace=self.site.gateway.stop_grace, limits=HttpLimits.from_site(self.site),
+                                     access_log=False)
         if self._stop_asked:  # asked before the gateway existed
             self.server.should_exit = True
         try:

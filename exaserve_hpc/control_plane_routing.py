@@ -86,10 +86,32 @@ def plane_gateway_app(site: SiteConfig, frontend: str, controller, router, gatew
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(frontend, models, status=controller.status,
-                          ready=lambda: controller.serving_count() > 0, curve=curve)
+                          ready=lambda: fleet_can_serve(controller), curve=curve)
     return create_app(client, site, admin_routes=serving_admin_routes(
         site, router, controller, gateway_host, admin_key=admin_key),
         admin_key=admin_key, ledger=ledger, admission=admission)
+
+
+def fleet_can_serve(controller) -> bool:
+    """/health's answer (the controller's view): the controller and router run, and some replica is serving
+    with every node it runs on known to the controller and not declared lost. A replica whose only agent
+    was lost, or one still pending, cannot serve, however the router's table looks at that moment."""
+    if controller.serving_count() <= 0:  # 0 also while the controller or the router is not running
+        return False
+    agents = getattr(controller, "agents", None)
+    fleet = getattr(controller, "fleet", None)
+    if agents is None or fleet is None:  # a controller without the fleet's tables (a test's stand-in)
+        return True
+    from .agent.lifecycle import ReplicaState
+    with fleet.lock:
+        for record in controller.replicas.values():
+            if record.state is not ReplicaState.SERVING:
+                continue
+            assignment = getattr(record, "assignment", None)
+            nodes = [n for n in (assignment.nodes if assignment is not None else (record.agent_id,)) if n]
+            if nodes and all(n in agents and not agents[n].lost for n in nodes):
+                return True
+    return False
 
 
 def listen_socket(host: str, port: int, setting: str = "gateway.port"):
@@ -109,17 +131,57 @@ def listen_socket(host: str, port: int, setting: str = "gateway.port"):
     return sock
 
 
-def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **config):
+def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, *, grace: float = 10.0,
+                   limits=None, **config):
     """A uvicorn server that stops on SIGINT, SIGTERM and SIGUSR1 and returns, so our shutdown runs.
 
     uvicorn re-raises the captured signal after its own shutdown, which would kill this process
-    before the replicas are drained; we take that part out. on_signal(sig) runs first, in the handler.
+    before the replicas are drained; we take that part out. on_signal(sig) runs first, in the handler
+    (only when run in the main thread; a gateway in another thread is stopped with should_exit).
+
+    Its stop never cuts a stream (issue 25 item 7): new connections are refused at once (the listener
+    closes), requests already open get `grace` seconds (gateway.stop_grace) to finish, and those still
+    open then end as the app's stop gate ends them (router/generation.py StopGate: an SSE error event
+    `server_stopping` and `data: [DONE]`, or a 503), so uvicorn's own cut (its timeout_graceful_shutdown,
+    a cancellation and a traceback per stream) is only a backstop 5 s later.
+    `limits` (router/http_limits.HttpLimits; default the class's): the connection cap and timeouts.
     """
+    import asyncio
+    import threading
+
     import uvicorn
+    from .router.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
+
+    raise_fd_limit()
+    limits = limits or HttpLimits()
+    guard = ConnectionGuard(limits)
+    gate = getattr(getattr(app, "state", None), "stop_gate", None)
 
     class GatewayServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            timer = None
+            if gate is not None:
+                gate.stopping = True  # new requests on open connections: 503; /health: 503
+
+                def end_open_requests() -> None:
+                    ended = gate.interrupt_all(f"the server is stopping and the request did not finish within "
+                                               f"the stop grace ({grace:g}s, gateway.stop_grace); retry it")
+                    if ended:
+                        print(f"exaserve: stop grace ({grace:g}s) over: {ended} open request(s) ended with an "
+                              "error event", flush=True)
+                timer = asyncio.get_running_loop().call_later(grace, end_open_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
         @contextlib.contextmanager
         def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
             def handle(sig, frame):
                 on_signal(sig)
                 self.handle_exit(sig if sig == signal.SIGINT else signal.SIGTERM, frame)
@@ -131,4 +193,9 @@ def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, **c
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    return GatewayServer(uvicorn.Config(app, **config))
+    config.setdefault("log_config", None)  # uvicorn's lines go through our handlers (rate-limited, logs.py)
+    config.setdefault("timeout_keep_alive", max(1, int(limits.keep_alive_timeout)))
+    config["timeout_graceful_shutdown"] = int(grace) + 5  # the backstop (see above)
+    server = GatewayServer(uvicorn.Config(app, http=guard.protocol_class(), **config))
+    server.guard = guard
+    return server

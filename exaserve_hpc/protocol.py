@@ -107,6 +107,8 @@ class ReplicaHello(_Msg, tag="hello"):
     version: str = ""  # model version (canary rollout); "" = the model's only/stable version
     kv_events_endpoint: str = ""  # ZeroMQ PUB endpoint of the engine's KV events (precise prefix routing)
     routers: list[str] = []  # the router backends this replica is linked to (several routers; set by its links)
+    # Z85 CURVE public key of that KV-event PUB ("" = plain): it admits only the run's client key (the router's)
+    kv_events_key: str = ""
 
 
 class ReplicaStats(_Msg, tag="stats"):
@@ -216,6 +218,8 @@ class AgentHello(_Msg, tag="agent_hello"):
     host_memory_total: int = 0
     memory: Optional[MemoryPoolStatus] = None
     l2: Optional[L2Status] = None
+    cpus: int = 0  # CPU cores the agent may use (its affinity); 0: not reported (an older agent)
+    replica_threads: int = 0  # compute threads each replica runs (its BLAS threads); 0: not reported
 
 
 class AgentHeartbeat(_Msg, tag="agent_hb"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, make_curve_keys
+from .bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, install_block_hash_salt, make_curve_keys
 from .config import SiteConfig
 from .control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 
@@ -68,12 +68,23 @@ def run_keys(run_dir: JobDir):
     return make_curve_keys(run_dir)
 
 
+def l2_run(run_dir: Path) -> str:
+    """The L2 identity of the server whose run directory this is: a digest of its resolved path."""
+    import hashlib
+    return "serve-" + hashlib.blake2b(os.path.realpath(run_dir).encode(), digest_size=6).hexdigest()
+
+
 def serve(site: SiteConfig, options: ServeOptions) -> int:
     # Whatever this server, its agent and replicas create (KV snapshots, L2 files, tiny checkpoints, logs)
     # is the user's own: 0700 directories, 0600 files (issue 13 item 14).
     os.umask(0o077)
     run_dir = private_run_dir(options.run_dir or site.run_path)
     keys = run_keys(run_dir)
+    install_block_hash_salt(run_dir)  # made with the keys: this run's router and gateway hash as its replicas do
+    # The run's identity in its L2 directory (agent/node_agent.py default_l2_root; the agent inherits it): two
+    # servers of this user never share, adopt or clear each other's L2 files; a restart finds its own.
+    from .agent.node_agent import L2_RUN_VARIABLE
+    os.environ[L2_RUN_VARIABLE] = l2_run(run_dir.path)
     plane = ControlPlane(site, PlaneSettings(
         node=site.cluster.hostnames()[0], state_dir=run_dir.path, host=options.host, port=options.port,
         curve=keys, replica_env={CURVE_JOB_DIR_VARIABLE: str(run_dir.path.absolute())}))
@@ -81,6 +92,12 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     threading.Thread(target=announce_when_ready, args=(plane.controller, plane.url, site, wanted,
                                                        options.ready_timeout), daemon=True).start()
     return plane.run()
+
+
+def placed_count(controller) -> int:
+    """Replicas the controller has placed on a node (the others wait for room: scheduler/cpu_bound.py)."""
+    with controller.fleet.lock:
+        return sum(r.assignment is not None for r in controller.replicas.values())
 
 
 def announce_when_ready(controller, url: str, site: SiteConfig, wanted: int, timeout: float) -> None:
@@ -92,6 +109,9 @@ def announce_when_ready(controller, url: str, site: SiteConfig, wanted: int, tim
             console.print(f"replicas serving: {serving}/{wanted}")
             last = serving
         if serving >= wanted:
+            break
+        placed = placed_count(controller)
+        if placed and serving >= placed:  # the rest have no room (the node's CPU bound, memory): not awaited
             break
         time.sleep(0.2)
     model = site.models[0].model_name

@@ -87,13 +87,14 @@ class SeveralRouters:
     def start_gateways(self, make_app: Callable[[str], object], listen: Callable[[int], object], publish: str,
                        port: int) -> list[str]:
         """A gateway per local router beyond the first (uvicorn in a thread each); their URLs."""
-        import uvicorn
+        from .control_plane_routing import gateway_server  # the stop grace and connection limits of the main one
+        from .router.http_limits import HttpLimits
         urls = []
         for k, router in enumerate(self.local[1:], start=1):
             listener = listen(port + k if port else 0)
             url = http_url(publish, listener.getsockname()[1])
-            server = uvicorn.Server(uvicorn.Config(make_app(router.frontend_endpoint), log_level="warning",
-                                                   timeout_graceful_shutdown=10, access_log=False))
+            server = gateway_server(make_app(router.frontend_endpoint), log_level="warning", access_log=False,
+                                    grace=self.site.gateway.stop_grace, limits=HttpLimits.from_site(self.site))
             thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True,
                                       name=f"exaserve-gateway-{k}")
             thread.start()
@@ -107,7 +108,7 @@ class SeveralRouters:
         for server, _, _ in self._servers:
             server.should_exit = True
         for _, thread, listener in self._servers:
-            thread.join(15.0)
+            thread.join(self.site.gateway.stop_grace + 10.0)
             listener.close()
         self._servers = []
 

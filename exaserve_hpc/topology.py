@@ -47,6 +47,8 @@ class Node:
     devices: tuple[Device, ...]
     nvlink_domains: tuple[tuple[int, ...], ...]  # device indices; a TP group stays inside one
     host_memory: int
+    # replicas its cores can run (CPU nodes serving a CPU engine: scheduler/cpu_bound.py); 0: no such bound
+    cpu_slots: int = 0
 
     @property
     def is_cpu(self) -> bool:
@@ -201,5 +203,5 @@ def topology_from_inventory(inventory: Iterable[Mapping[str, Any]], cluster: Clu
             devices = (Device(0, host_memory, "cpu"),)
             domains = ((0,),)
         group = str(entry.get("fault_group") or group_of.get(host) or f"ungrouped-{host}")
-        nodes.append(Node(host, i, group, devices, domains, host_memory))
+        nodes.append(Node(host, i, group, devices, domains, host_memory, int(entry.get("cpu_slots") or 0)))
     return Topology(tuple(nodes), _groups_from(nodes))

@@ -85,7 +85,7 @@ def in_process_plane(site_file: Path, tmp_path: Path):
     gateway 0 served on a thread: (plane, gateway 0's server, the signal handlers to put back)."""
     import uvicorn
 
-    from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE
+    from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, install_block_hash_salt
     from exaserve_hpc.config import load_site
     from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
     from exaserve_hpc.serve import private_run_dir, run_keys
@@ -93,6 +93,7 @@ def in_process_plane(site_file: Path, tmp_path: Path):
     site = load_site(site_file)
     run_dir = private_run_dir(tmp_path / "run")
     keys = run_keys(run_dir)
+    install_block_hash_salt(run_dir)  # as serve does: this run's router and gateway hash as its replicas
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     plane = ControlPlane(site, PlaneSettings(node="localhost", state_dir=run_dir.path, port=0, curve=keys,
                                              replica_env={CURVE_JOB_DIR_VARIABLE: str(run_dir.path.absolute())},
@@ -103,10 +104,12 @@ def in_process_plane(site_file: Path, tmp_path: Path):
 
 
 def stop_plane(plane, gateway0, handlers: dict) -> None:
+    from exaserve_hpc.engine.block_manager import set_block_hash_salt
     gateway0.should_exit = True
     plane.shutdown()
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+    set_block_hash_salt(b"")  # the run's salt was this test process's: later tests hash unsalted
 
 
 def test_losing_one_router_leaves_the_other_serving_with_no_failure(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket as pysocket
@@ -34,7 +35,7 @@ import msgspec
 import zmq
 
 from ..cache.checkpoint import CheckpointError
-from ..cache.l2_shm import L2Cache, L2Full, read_l2_page_note
+from ..cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
 from ..engine.registry import ENGINES
 from ..ha.adoption import backends, must_restart
 from ..protocol import (
@@ -48,7 +49,8 @@ from .gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant,
 from .memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from .nvml_probe import host_memory, read_gpus
 from .replica_main import die_with_parent
-from .replica_process import ReplicaSlot, parse_status_line, spawn
+from ..scheduler.cpu_bound import replica_threads, usable_cores
+from .replica_process import ReplicaSlot, parse_status_line, replica_env, spawn
 from .weight_loader import PREFETCH, FillResult, WeightLoader
 
 log = logging.getLogger("exaserve.agent")
@@ -74,9 +76,18 @@ def spawn_replica(spec: StartReplica, node: str) -> ReplicaSlot:
     return slot
 
 
-def default_l2_root(agent_id: str, l2_path: str = "/dev/shm") -> Path:
-    """This agent's L2 directory under weight_cache.l2_path."""
-    return Path(os.path.expandvars(l2_path)).expanduser() / f"exaserve-l2-{os.getuid()}" / agent_id.replace("/", "_")
+L2_RUN_VARIABLE = "EXASERVE_L2_RUN"  # the run's identity in its L2 directory's name (serve.py, launcher/rank.py)
+
+
+def default_l2_root(agent_id: str, l2_path: str = "/dev/shm", run: Optional[str] = None) -> Path:
+    """This agent's L2 directory under weight_cache.l2_path: exaserve-l2-UID/AGENT_ID@RUN.
+
+    RUN (default $EXASERVE_L2_RUN, which `exaserve serve` and `exaserve launch` set) names the run, so two
+    servers of one user on one node never share, adopt or clear each other's L2 files; the same server
+    started again (same run directory, or same Slurm job after a requeue) finds its own."""
+    run = os.environ.get(L2_RUN_VARIABLE, "") if run is None else run
+    name = agent_id.replace("/", "_") + (f"@{re.sub(r'[^A-Za-z0-9._-]', '_', run)[:64]}" if run else "")
+    return Path(os.path.expandvars(l2_path)).expanduser() / f"exaserve-l2-{os.getuid()}" / name
 
 
 class NodeAgent:
@@ -107,7 +118,7 @@ class NodeAgent:
         self.controller_heard = time.monotonic()
         self.exit_code = 0
         root = Path(l2_root) if l2_root else default_l2_root(agent_id)
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_l2_root(root)  # another agent of ours removing the per-user directory meanwhile is retried
         shm_free = shutil.disk_usage(root).free
         if l2_capacity > shm_free:
             log.warning("L2 capacity %s is more than %s free in %s; using %s", format_size(l2_capacity),
@@ -193,7 +204,8 @@ class NodeAgent:
             log.info("%s", why)
         self._send(AgentHello(agent_id=self.agent_id, hostname=self.hostname, pid=os.getpid(),
                               node_index=self.node_index, gpus=gpus, host_memory_total=host_memory()[0],
-                              memory=self.pool.status(), l2=self.cache.status(time.monotonic())))
+                              memory=self.pool.status(), l2=self.cache.status(time.monotonic()),
+                              cpus=usable_cores(), replica_threads=replica_threads(replica_env(self.replica_env))))
 
     def follow(self, controller: str, server_public_key: bytes = b"") -> None:
         """Register with another controller (a new leader, ha/): any thread. The replicas keep running; the

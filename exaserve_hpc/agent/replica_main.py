@@ -42,7 +42,8 @@ from ..protocol import (
     Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
     StartReplica, TokenChunk, decode,
 )
-from ..bootstrap import replica_client_keys
+from ..bootstrap import replica_client_keys, replica_kv_event_keys
+from ..engine.kv_events import secure_publishers
 from ..cache.tiers import load_weights
 from ..engine.base import EngineError
 from ..engine.registry import build_engine, engine_spec
@@ -335,8 +336,8 @@ def build_replica_engine(spec: StartReplica, args: argparse.Namespace, reporter:
     reporter.state(ReplicaState.INITIALIZING)
     if not engine_kind.kv_events:
         return make_engine(spec, weights), ""
-    # Announced in the hello; a router in precise prefix mode subscribes. Hashes only: the SUB side
-    # is not authenticated, and prompts must not leave the replica in clear.
+    # Announced in the hello (with the PUB's CURVE key); a router in precise prefix mode subscribes with the
+    # run's client key. Salted hashes only: prompts never leave the replica through this socket.
     engine = make_engine(spec, weights, kv_events_endpoint=kv_events_bind(spec.router_backend),
                          kv_events_tokens=False)
     return engine, kv_events_announced(engine.kv_events_endpoint)
@@ -373,6 +374,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if spec.stage is not None and spec.stage.rank > 0:  # a later pipeline stage: no router, no engine loop
             return pipeline_stage.run_stage(spec, args, reporter)
+        # The run's keys (from the job directory the agent names, never the command line): the engine's KV-event
+        # PUB becomes a CURVE server admitting only the router's key, and block hashes take the run's salt.
+        kv_keys = replica_kv_event_keys(os.environ)
+        secure_publishers(kv_keys)
         engine, kv_events_endpoint = (pipeline_stage.build_head(spec, args, reporter, make_engine)
                                       if spec.stage is not None else build_replica_engine(spec, args, reporter))
         reporter.state(ReplicaState.WARMING)
@@ -387,7 +392,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         links.broadcast(ReplicaHello(replica_id=spec.replica_id, model=spec.model, pid=os.getpid(),
                                      max_batch_size=spec.settings.max_batch_size,
                                      max_seq_len=spec.settings.max_seq_len, node=args.node,
-                                     version=spec.version, kv_events_endpoint=kv_events_endpoint))
+                                     version=spec.version, kv_events_endpoint=kv_events_endpoint,
+                                     kv_events_key=kv_keys.server_public.decode()
+                                     if kv_keys is not None and kv_events_endpoint else ""))
         server = ReplicaServer(spec, engine, links, reporter, spec.coalesce_ms, spec.coalesce_tokens)
         reporter.state(ReplicaState.SERVING)
         server.run()

@@ -129,6 +129,26 @@ def private_l2_dirs(root: Path) -> None:
             pass
 
 
+class L2Error(OSError):
+    """The L2 directory cannot be made or used (the message says where and why)."""
+
+
+def make_l2_root(root: Path, attempts: int = 20) -> None:
+    """Make ``root`` (0700) and its parents. Another agent of the same user may remove the per-user
+    directory above it (its last agent leaving, at exit) between our mkdir of it and of ``root``: retried.
+    A path that cannot be made (a file in the way, another user's directory) raises L2Error naming it."""
+    for attempt in range(attempts):
+        try:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            return
+        except FileNotFoundError:  # a parent vanished between the two mkdirs
+            if attempt == attempts - 1:
+                raise L2Error(f"cannot make the L2 directory {root}: its parent keeps disappearing") from None
+        except OSError as exc:
+            raise L2Error(f"cannot make the L2 directory {root}: {exc.strerror}; set weight_cache.l2_path (or "
+                          "--l2-dir) to a directory of yours") from exc
+
+
 class L2Cache:
     def __init__(self, root: str | os.PathLike, capacity: int):
         self.root = Path(root)
@@ -139,7 +159,7 @@ class L2Cache:
         self.hits = 0
         self.evictions = 0
         self._attempt = 0
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_l2_root(self.root)
         private_l2_dirs(self.root)
 
     # ------------------------------------------------------------ entries

@@ -44,12 +44,35 @@ from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 ROOT_HASH = 0x6578617365727665  # b"exaserve": parent of a sequence's first block
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+_SALT = b""  # this process's block-hash key: the run's secret salt (set_block_hash_salt), b"" = unsalted
+
+
+def set_block_hash_salt(salt: bytes) -> None:
+    """Key every block hash of this process with the run's salt (``bootstrap.install_block_hash_salt``).
+
+    Block names leave the replica in KV events; unsalted, a guess of a prompt can be checked against them
+    offline (a 4-digit secret in a known template falls to 10,000 hashes). Keyed blake2b with a per-run
+    secret makes them useless to anyone without the run's keys. The replicas, the router and the gateway
+    of one run must use the same salt (they read it from the run's keys directory); set it before any
+    engine or ``EngineBlockHasher`` is made."""
+    global _SALT
+    if not isinstance(salt, (bytes, bytearray)) or len(salt) > 64:
+        raise ValueError("the block-hash salt must be at most 64 bytes (a blake2b key)")
+    _SALT = bytes(salt)
+
+
+def block_hash_salt() -> bytes:
+    return _SALT
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], salt: bytes | None = None) -> int:
     """64-bit hash of a full block given its parent's hash: stable across
-    processes and machines (blake2b, not Python's salted ``hash``), so a router
-    can compute the same names from a prompt."""
+    processes and machines of one run (blake2b keyed with the run's salt, not
+    Python's per-process ``hash``), so that run's router can compute the same
+    names from a prompt. ``salt``: None = this process's (``set_block_hash_salt``)."""
     data = parent_hash.to_bytes(8, "little") + np.asarray(token_ids, dtype="<u4").tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    key = _SALT if salt is None else salt
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

@@ -14,6 +14,14 @@ Call protocol: ``pub = KVEventPublisher(endpoint, topic, with_tokens=...)``;
 ``pub.publish(events)`` after each engine step (no-op for an empty list;
 never blocks: a slow subscriber loses messages, the engine never waits);
 ``pub.close()``. ``decode_batch(payload)`` for subscribers.
+
+Privacy: a replica's publishers are CURVE servers (``secure_publishers``, set
+by the replica process before its engine is built, from the run's keys): each
+replica makes its own key pair, announces the public key in its hello (over
+the router's CURVE backend), and its ZAP handler admits only the run's client
+key, which the router holds. A subscriber without that key completes no
+handshake and receives nothing. The block hashes are keyed with the run's
+secret salt (``block_manager.set_block_hash_salt``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ class BlockStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[int]          # consecutive blocks of one sequence, in order
     parent_block_hash: int | None    # hash of the block before the first; None at the start
     token_ids: list[int]             # len(block_hashes) * block_size ids; [] from a publisher that withholds
-    #                                  prompts (replicas do: the subscriber side is not authenticated)
+    #                                  prompts (replicas do, CURVE or not: the router needs only hashes)
     block_size: int
 
 
@@ -62,11 +70,35 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
+_PUBLISHER_CURVE = None  # bootstrap.CurveKeys for every publisher of this process (secure_publishers)
+
+
+def secure_publishers(keys) -> None:
+    """Make every KVEventPublisher created after this in this process a CURVE server.
+
+    ``keys``: a ``bootstrap.CurveKeys`` whose server pair is the publisher's (the replica's own) and whose
+    ``client_public`` is the only subscriber key admitted (the run's client key, the router's); None: plain
+    sockets again. Engines create their publisher themselves, so the replica sets this before building one."""
+    global _PUBLISHER_CURVE
+    _PUBLISHER_CURVE = keys
+
+
+def publisher_curve():
+    """The keys publishers of this process use (None: plain)."""
+    return _PUBLISHER_CURVE
+
+
+_DEFAULT = object()
+
+
 class KVEventPublisher:
-    """Binds a PUB socket on ``endpoint`` (e.g. ``tcp://*:5557``)."""
+    """Binds a PUB socket on ``endpoint`` (e.g. ``tcp://*:5557``).
+
+    ``curve``: bootstrap.CurveKeys making it a CURVE server that admits only ``curve.client_public``;
+    default: this process's (``secure_publishers``), None: plain."""
 
     def __init__(self, endpoint: str, topic: str = "kv-events", replica_id: str = "",
-                 high_water_mark: int = 100_000, with_tokens: bool = True) -> None:
+                 high_water_mark: int = 100_000, with_tokens: bool = True, curve=_DEFAULT) -> None:
         import zmq  # the transport seam: only this class touches ZeroMQ
 
         self._zmq = zmq
@@ -76,10 +108,19 @@ class KVEventPublisher:
         self._socket.setsockopt(zmq.LINGER, 0)
         if "[" in endpoint:  # an IPv6 address
             self._socket.setsockopt(zmq.IPV6, 1)
+        curve = _PUBLISHER_CURVE if curve is _DEFAULT else curve
+        self._zap = None
+        self.server_public_key = ""  # Z85; "" when plain
+        if curve is not None:
+            from exaserve_hpc.bootstrap import secure_server
+            self._zap = secure_server(self._socket, curve, self._context, "kv events")
+            self.server_public_key = curve.server_public.decode()
         try:
             self._socket.bind(endpoint)
         except zmq.ZMQError as e:
             self._socket.close()
+            if self._zap is not None:
+                self._zap.stop()
             raise ValueError(f"cannot bind the KV-event socket on {endpoint!r}: {e}; "
                              "choose a free port or another endpoint") from e
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -109,3 +150,6 @@ class KVEventPublisher:
             self.publish([AllBlocksCleared()])
             self._socket.close()
             self._socket = None
+            if self._zap is not None:
+                self._zap.stop()
+                self._zap = None

@@ -47,6 +47,9 @@ class EngineSpec:
     # batching knobs (config.BatchingConfig fields) the engine does not apply; `config check` names them
     ignored_batching: tuple[str, ...] = ()
     package: str = ""        # the third-party module it imports; "" = only exaserve's own dependencies
+    # computes on the node's CPU cores (each replica keeps a core busy): replicas per node are bounded by
+    # the node's cores (scheduler/cpu_bound.py)
+    cpu_compute: bool = False
     install: str = ""        # how to get that package
     summary: str = ""
     # EngineSettings.options a site gives this engine (see `engine_settings`): (site, model) -> options
@@ -165,7 +168,7 @@ TRTLLM_NO_PIPELINE = (  # `config check` prints at most 300 characters of it
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("reference", _build_reference, needs_weights=True, loads_in_process=True, reads_tiny=True,
-               kv_events=True, kv_snapshots=True, site_options=_paged_site_options,
+               kv_events=True, kv_snapshots=True, site_options=_paged_site_options, cpu_compute=True,
                summary="CPU numpy Llama, paged KV cache, prefix caching (the default)"),
     EngineSpec("echo", _build_echo, needs_weights=False, loads_in_process=False, reads_tiny=False,
                kv_events=False, kv_snapshots=False,

@@ -33,7 +33,7 @@ from typing import Optional
 from ..addresses import AddressError, resolve_listen
 from ..bootstrap import (
     CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, CurveKeys, JobDir, NodeInventory, RankInfo,
-    curve_available, make_curve_keys, publish_controller,
+    curve_available, install_block_hash_salt, make_curve_keys, publish_controller,
 )
 from ..config import SiteConfig
 from ..jobenv import JobEnvironment
@@ -131,10 +131,12 @@ def job_curve_keys(jobdir: JobDir) -> CurveKeys:
     the keys they hold across a failover."""
     keys = jobdir.path / "keys"
     try:
-        return CurveKeys(*((keys / name).read_bytes() for name in ("server.pub", "server.key", "client.pub",
-                                                                    "client.key")))
+        found = CurveKeys(*((keys / name).read_bytes() for name in ("server.pub", "server.key", "client.pub",
+                                                                     "client.key")))
     except OSError:
-        return make_curve_keys(jobdir)
+        found = make_curve_keys(jobdir)
+    install_block_hash_salt(jobdir)  # the job's salt, kept across failovers as the keys are
+    return found
 
 
 class Candidate:

@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..bootstrap import (
     CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available,
-    exchange_inventories, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
+    exchange_inventories, install_block_hash_salt, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
     wait_for_controller, _mpi_comm,
 )
 from ..config import SiteConfig, load_site, resolve_site
@@ -96,6 +96,7 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     if not args.no_curve:
         if curve_available():
             keys = make_curve_keys(jobdir)
+            install_block_hash_salt(jobdir)  # this run's: router and gateway hash prompts as its replicas do
         else:
             log.warning("this libzmq has no CURVE support: the control plane and the router run unauthenticated")
     nodes = [inv.node for inv in inventories]
@@ -218,6 +219,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     comm = _mpi_comm() if rank.source == "mpi" else None
+    from ..agent.node_agent import L2_RUN_VARIABLE  # this job's L2 directories: never another job's of ours
+    os.environ[L2_RUN_VARIABLE] = f"job-{rank.job_id}"
     if args.join_job_dir:
         return run_joining_agent(site, rank, JobDir(Path(args.join_job_dir).expanduser()).ensure())
     job_dir = args.job_dir or os.environ.get("EXASERVE_JOB_DIR") or str(site.run_path / "jobs" / rank.job_id)

@@ -47,8 +47,11 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
         return None
     keys = jobdir.path / "keys"
     try:
-        return CurveKeys(info.server_public_key.encode(), (keys / "server.key").read_bytes(),
-                         (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
+        found = CurveKeys(info.server_public_key.encode(), (keys / "server.key").read_bytes(),
+                          (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
+        from ..bootstrap import install_block_hash_salt
+        install_block_hash_salt(jobdir)  # this router and its gateway hash prompts as the job's replicas do
+        return found
     except OSError as exc:
         raise BootstrapError(f"router rank: the job's keys in {keys} cannot be read ({exc.strerror}); the job "
                              "directory must be shared by every node") from exc
@@ -69,8 +72,6 @@ class RankRouter:
 
     def __init__(self, site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, keys: Optional[CurveKeys],
                  controller: Callable[[], Optional[ControllerInfo]]):
-        import uvicorn
-
         from ..addresses import AddressError, http_url, resolve_listen
         from ..control_plane_routing import ControlPlaneError, listen_socket, make_router
         from ..router.router_link import RouterControl
@@ -92,8 +93,11 @@ class RankRouter:
                                       "gateway.port" if args.port is None else "--port")
         self.url = http_url(publish, self.listener.getsockname()[1])
         app, self.ledger, self.admission = gateway_app(site, self.router, jobdir, keys, rank, controller)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
-                                                    access_log=False))
+        from ..control_plane_routing import gateway_server  # rank 0's stop grace and connection limits
+        from ..router.http_limits import HttpLimits
+        self.server = gateway_server(app, log_level="warning", access_log=False, grace=g.stop_grace,
+                                     limits=HttpLimits.from_site(site))
+        self.stop_grace = g.stop_grace
         self.gateway = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]},
                                         name="exaserve-gateway", daemon=True)
         self.gateway.start()
@@ -111,12 +115,12 @@ class RankRouter:
               f"{self.url}/v1", flush=True)
 
     def stop_gateway(self) -> None:
-        """Stop taking requests at once; the open ones finish (at most 10 s)."""
+        """Stop taking requests at once; the open ones finish (at most gateway.stop_grace, then an error event)."""
         self.server.should_exit = True
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.gateway.join(15.0)
+        self.gateway.join(self.stop_grace + 10.0)
         self.listener.close()
         self.control.stop()
         self.router.stop()

@@ -38,7 +38,7 @@ from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, set_
 from .breaker import BreakerState, CircuitBreaker
 from .canary import RolloutTable
 from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
-    GATEWAY, REPLICA, DispatchSettings, Inflight, Outgoing, ReplicaEntry, RoutedRequest, _Excluded,
+    GATEWAY, REPLICA, DispatchSettings, Inflight, Outgoing, ReplicaEntry, RoutedRequest, _Excluded, attempt_id,
 )
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class Dispatcher:
         self.unavailable: set[str] = set()  # registered but no new work: draining, breaker open, probe out
         self.open_breakers: set[str] = set()
         self.inflight: dict[str, Inflight] = {}
+        # a retry's replica-side id -> its request's id: each attempt after the first carries its own id
+        # (attempt_id), so a replica still running an earlier attempt (a false loss, a stall) never sees a
+        # duplicate, and that attempt's late chunks are told apart and dropped
+        self.attempts: dict[str, str] = {}
         self.pending: deque[str] = deque()  # request ids waiting for a replica of their model
         self.counters = {"accepted": 0, "completed": 0, "failed": 0, "retries": 0, "breaker_opened": 0}
         self.reasons: dict[str, int] = {}  # routing branch -> count (policy Decision.reason)
@@ -349,6 +353,9 @@ class Dispatcher:
         entry.first_token_at = 0.0
         entry.attempts += 1
         entry.tried.add(replica_id)
+        if entry.attempts > 1:  # a resend: its own replica-side id (attempt_id)
+            entry.wire_id = attempt_id(request.request_id, entry.attempts)
+            self.attempts[entry.wire_id] = request.request_id
         load.outstanding += 1
         shift_prefilling(load, replica.pools, 1)  # until its first token (the bounded-load cap's count)
         # Comparisons rather than max() here and in _release: this runs for every request.
@@ -360,10 +367,10 @@ class Dispatcher:
         if replica.breaker.state is BreakerState.HALF_OPEN:
             replica.breaker.on_dispatch()  # this request is the probe; no other until it answers
             self.unavailable.add(replica_id)
-        if not sent and entry.raw is not None:
+        if not sent and entry.raw is not None and not entry.wire_id:
             return [Outgoing(REPLICA, replica_id.encode(), entry.raw)]  # as the gateway encoded it
-        to_send = request if not sent and type(request) is GenerateRequest else GenerateRequest(
-            request_id=request.request_id, model=request.model,
+        to_send = request if not sent and type(request) is GenerateRequest and not entry.wire_id else GenerateRequest(
+            request_id=entry.wire_id or request.request_id, model=request.model,
             prompt_token_ids=list(request.prompt_token_ids) + entry.sent_tokens,
             max_tokens=request.max_tokens - sent, temperature=request.temperature, top_p=request.top_p,
             seed=request.seed, timeout=request.timeout, quota_group=request.quota_group, resumed_tokens=sent,
@@ -380,27 +387,37 @@ class Dispatcher:
 
     def _on_chunk(self, replica_id: str, chunk: TokenChunk, now: float) -> list[Outgoing]:
         entry = self.inflight.get(chunk.request_id)
-        if entry is None or entry.replica_id != replica_id:
-            return []  # late chunk from a replica we already moved away from
+        if entry is None and self.attempts:
+            entry = self.inflight.get(self.attempts.get(chunk.request_id, ""))
+        if entry is None or entry.replica_id != replica_id or chunk.request_id != (entry.wire_id
+                                                                                  or entry.request.request_id):
+            return []  # late chunk from a replica, or an attempt, we already moved away from
         if not entry.first_token_at:
             self._first_token(entry, now)
         entry.last_token_at = now
         entry.sent_tokens.extend(chunk.token_ids)
         forwarded = TokenChunk(
-            request_id=chunk.request_id, token_ids=chunk.token_ids, finished=chunk.finished,
+            request_id=entry.request.request_id, token_ids=chunk.token_ids, finished=chunk.finished,
             finish_reason=chunk.finish_reason, prompt_tokens=entry.prompt_len,
             completion_tokens=len(entry.sent_tokens), replica_id=replica_id)
         out = [Outgoing(GATEWAY, entry.gateway, forwarded)]
         if chunk.finished:
-            self.inflight.pop(chunk.request_id)
+            self.inflight.pop(entry.request.request_id)
             self.counters["completed"] += 1
             out += self._release(entry, abort=False)
         return out
 
     def _on_replica_error(self, replica_id: str, error: RequestError, now: float) -> list[Outgoing]:
         entry = self.inflight.get(error.request_id)
-        if entry is None or entry.replica_id != replica_id:
+        if entry is None and self.attempts:
+            entry = self.inflight.get(self.attempts.get(error.request_id, ""))
+        if entry is None or entry.replica_id != replica_id or error.request_id != (entry.wire_id
+                                                                                  or entry.request.request_id):
             return []
+        if 400 <= error.status < 500 and "already in flight" in error.message:
+            # The replica still runs an attempt under this id: our fault, never the client's (no 4xx for it);
+            # tell it to drop that one and try again (on another replica if there is one).
+            return self._replica_failed(entry, f"replica {replica_id}: {error.message}", now)
         if 400 <= error.status < 500:  # the request itself is bad: another replica won't help
             return self._fail(entry, error.status, error.code, error.message)
         if error.code in ("draining", "drain_timeout"):  # leaving, not failing: no breaker count
@@ -493,8 +510,14 @@ class Dispatcher:
                 replica.breaker.probe_in_flight = False  # the probe ended without a verdict: allow another
                 if not replica.draining:
                     self.unavailable.discard(entry.replica_id)
-            if abort:
-                out.append(Outgoing(REPLICA, entry.replica_id.encode(), Abort(request_id=entry.request.request_id)))
+        if abort:
+            # Also to a replica already out of rotation (lost, expired): it may well still run the attempt (a
+            # false loss, a stall), and its work must stop once the request moved. A socket that is gone
+            # refuses the send (EHOSTUNREACH), which loses nothing.
+            out.append(Outgoing(REPLICA, entry.replica_id.encode(),
+                                Abort(request_id=entry.wire_id or entry.request.request_id)))
+        if entry.wire_id:
+            self.attempts.pop(entry.wire_id, None)
         entry.prefill_estimate = entry.decode_estimate = 0
         return out
 

@@ -160,6 +160,14 @@ class Inflight:
     decode_estimate: int = 0  # tokens still to generate, charged to the replica until the request ends
     first_token_at: float = 0.0  # of the current attempt; 0: none yet
     last_token_at: float = 0.0
+    # the id the current attempt carries on the replica side: "" for the first (the request's own id), then
+    # `attempt_id(request_id, n)`, so a resend never collides with an earlier attempt still running there
+    wire_id: str = ""
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The replica-side id of a request's `attempt`-th dispatch (the first keeps the request's own id)."""
+    return request_id if attempt <= 1 else f"{request_id}~a{attempt}"
 
 
 @dataclass

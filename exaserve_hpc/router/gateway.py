@@ -39,7 +39,7 @@ from exaserve_hpc.router.admission import (
 from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
 from exaserve_hpc.router.model_tokenizers import ModelTokenizers
 from exaserve_hpc.router.generation import (
-    CHAT, COMPLETIONS, Generation, collect_unless_disconnected, json_answer, sse_events,
+    CHAT, COMPLETIONS, Generation, StopGate, collect_unless_disconnected, json_answer, sse_events,
 )
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                               f"{site.site!r}); see exaserve_hpc/router/openai_api.py for the supported subset.",
                   # With keys required the schema is served by the keyed route below, and no docs pages.
                   **(dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}))
+    # The open generations, which a stop ends cleanly after gateway.stop_grace (control_plane_routing.py)
+    gate = app.state.stop_gate = StopGate()
     app.add_middleware(BodyLimit, limit=site.gateway.max_body_bytes)
     app.add_middleware(_RequestMetrics)
     _install_error_handlers(app)
@@ -230,6 +232,9 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                        prompt_ids: list[int], max_tokens: int, group: Optional[str],
                        tokenizer: ModelTokenizer) -> Response:
         arrived = time.perf_counter()
+        if gate.stopping:
+            raise ApiError(503, "this server is stopping and takes no new requests; retry after the Retry-After "
+                           "seconds (at its successor, or another gateway)", code="server_stopping", retry_after=5)
         if model.name not in from_zero and not serving_now():
             # What /health says: waiting for a replica would only end in a 503 after first_token_timeout.
             raise ApiError(503, f"no replica is serving now (GET /health is 503); model {model.name!r} "
@@ -246,7 +251,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
             prefix_scheme=hasher.scheme if hasher else "")
         logs.REQUEST_ID.set(rid)  # this task's log lines carry it (--log-format json)
         try:
-            gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived, tokenizer.incremental())
+            gen = Generation(backend, gen_request, body.stop_strings, ticket, arrived, tokenizer.incremental(),
+                             gate=gate)
         except Exception as exc:  # a backend whose stream() fails before returning a generator
             ticket.release()
             log.exception("request %s could not be started", rid)
@@ -327,6 +333,8 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
 
     @app.get("/health", summary="200 when requests can be served now, 503 otherwise")
     async def health() -> JSONResponse:
+        if gate.stopping:
+            return JSONResponse({"status": "unavailable", "reason": "stopping"}, 503, {"Retry-After": "5"})
         if backend.ready():
             return JSONResponse({"status": "ok"})
         try:  # a stopped controller or router thread is named (Controller.liveness via its status)

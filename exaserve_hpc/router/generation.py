@@ -27,6 +27,30 @@ COMPLETIONS = "completions"
 CHAT = "chat.completions"
 
 
+class ServerStopping(BackendError):
+    """The gateway is stopping and its grace for open requests is over: the request ends with this (an SSE
+    error event and `data: [DONE]`, or a 503 when nothing was sent yet)."""
+
+    def __init__(self, message: str):
+        super().__init__(503, "server_stopping", message, retry_after=5.0)
+
+
+class StopGate:
+    """The gateway's open generations, so a stop can end them cleanly rather than cut them
+    (control_plane_routing.gateway_server): ``stopping`` from the stop signal on (new requests get 503,
+    /health says so), then ``interrupt_all`` when the grace is over."""
+
+    def __init__(self) -> None:
+        self.open: set["Generation"] = set()
+        self.stopping = False
+
+    def interrupt_all(self, why: str) -> int:
+        generations = list(self.open)
+        for gen in generations:
+            gen.interrupt(why)
+        return len(generations)
+
+
 
 
 class StopMatcher:
@@ -71,9 +95,9 @@ class Generation:
     """
 
     def __init__(self, backend: GatewayBackend, request: GenerateRequest, stops: list[str], ticket: Ticket,
-                 arrived: float, decoder):
+                 arrived: float, decoder, gate: Optional[StopGate] = None):
         """``decoder``: the model tokenizer's incremental detokenizer for this request (``feed(ids)`` -> text
-        that is final, ``flush()`` at the end)."""
+        that is final, ``flush()`` at the end). ``gate``: where the gateway finds it to end it on a stop."""
         self.request = request
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
@@ -86,6 +110,23 @@ class Generation:
         self._arrived = arrived
         self._closed = False
         self._first_at = self._last_at = 0.0  # perf_counter() of the first and the latest token chunk
+        self._interrupted = ""  # why the gateway ended it (interrupt())
+        self._waiting: Optional[asyncio.Task] = None  # the task awaiting the next chunk, while it does
+        self._cancelled_by_us = False
+        self._gate = gate
+        if gate is not None:
+            gate.open.add(self)
+
+    def interrupt(self, why: str) -> None:
+        """End this generation from the gateway (it is stopping): the wait for the next chunk, or the next
+        one, raises ServerStopping, which the caller answers as an error (an SSE error event and [DONE])."""
+        if self._interrupted or self._closed:
+            return
+        self._interrupted = why
+        task = self._waiting
+        if task is not None and not task.done():
+            self._cancelled_by_us = True
+            task.cancel()
 
     async def start(self) -> None:
         """Wait for the first chunk, so that a refusal can still be answered with its HTTP status."""
@@ -121,16 +162,31 @@ class Generation:
             self._last_at = time.perf_counter()
 
     async def _next_chunk(self) -> TokenChunk:
+        if self._interrupted:
+            raise ServerStopping(self._interrupted)
+        self._waiting = asyncio.current_task()
         try:
             return await self._chunks.__anext__()
         except StopAsyncIteration:
             raise RuntimeError(f"the backend stream of request {self.request.request_id} ended without "
                                "a finished chunk") from None
+        except asyncio.CancelledError:
+            if not self._cancelled_by_us:
+                raise
+            self._cancelled_by_us = False
+            task = asyncio.current_task()
+            if task is not None and task.uncancel() > 0:  # cancelled by someone else too (a disconnect)
+                raise
+            raise ServerStopping(self._interrupted) from None
+        finally:
+            self._waiting = None
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._gate is not None:
+            self._gate.open.discard(self)
         try:
             # Shielded: on a client disconnect this runs inside a cancelled task, and the
             # backend still has to hear about the abort.

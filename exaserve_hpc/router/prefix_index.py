@@ -73,12 +73,21 @@ class FastBlockHasher:
 
 
 class EngineBlockHasher:
-    """The engine's block names (`block_manager.hash_block_tokens`), for precise mode."""
+    """The engine's block names (`block_manager.hash_block_tokens`), for precise mode.
 
-    def __init__(self, block_size: int, max_blocks: int = 1024):
+    Keyed with the run's salt as the engines are (``salt``: None = this process's, which
+    `bootstrap.install_block_hash_salt` sets from the run's keys before the router and gateway are
+    made). ``scheme`` names the salt by a short tag derived from it (not the salt), so hashes made
+    under another run's salt are never taken for ours."""
+
+    def __init__(self, block_size: int, max_blocks: int = 1024, salt: Optional[bytes] = None):
+        from ..engine.block_manager import block_hash_salt
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.scheme = f"blake2b8-{block_size}x{max_blocks}"
+        self.salt = block_hash_salt() if salt is None else bytes(salt)
+        tag = "" if not self.salt else \
+            "k" + hashlib.blake2b(b"exaserve-scheme-tag", digest_size=4, key=self.salt).hexdigest() + "-"
+        self.scheme = f"blake2b8-{tag}{block_size}x{max_blocks}"
 
     blocks = FastBlockHasher.blocks
 
@@ -88,9 +97,9 @@ class EngineBlockHasher:
         if data.itemsize != 4:  # pragma: no cover - every Linux/macOS CPython has 4-byte "I"
             raise RuntimeError("array('I') is not 4 bytes here; the engine hashes little-endian uint32")
         raw = data.tobytes()
-        out, parent = [], ROOT_HASH.to_bytes(8, "little")
+        out, parent, key = [], ROOT_HASH.to_bytes(8, "little"), self.salt
         for lo in range(0, len(raw) - step + 1, step):
-            parent = hashlib.blake2b(parent + raw[lo:lo + step], digest_size=8).digest()
+            parent = hashlib.blake2b(parent + raw[lo:lo + step], digest_size=8, key=key).digest()
             out.append(int.from_bytes(parent, "little"))
         return out
 

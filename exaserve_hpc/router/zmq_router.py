@@ -11,8 +11,11 @@ With `curve` (bootstrap.CurveKeys, under `exaserve launch`) frontend and
 backend are CURVE servers that admit only the job's client key (ZAP): the
 router listens on every interface there, and a stranger must neither register
 as a replica (and read prompts) nor send requests past the gateway's API keys.
-The KV-event SUB stays plain: replicas publish block hashes and sequence
-numbers, not prompts (they withhold the token ids), and it only connects to
+The KV-event SUB is then a CURVE client with the job's client key: each
+replica's PUB is a CURVE server with a key pair of its own, whose public key
+its hello (over the CURVE backend) announces, and it admits only that client
+key, so no other local user can subscribe. A replica that announces KV events
+without a key is not followed by a CURVE router. The SUB only connects to
 endpoints an admitted replica named.
 
 The thread polls both sockets with a short timeout, hands every decoded
@@ -121,6 +124,7 @@ class ZmqRouter:
         self._failed_for_backlog: set[str] = set()
         self.backlog_counters = {"backlogged": 0, "failed_for_backlog": 0, "dropped_gateway_gone": 0}
         self._zap = []  # leases on the context's ZAP authenticator, stopped after the sockets close
+        self._curve = curve  # its client pair subscribes to the replicas' CURVE KV-event publishers
         if curve is not None:
             from ..bootstrap import secure_server
             self._zap = [secure_server(self.frontend, curve, self.context, "router frontend"),
@@ -213,6 +217,10 @@ class ZmqRouter:
         snapshot["gateway_backlog"] = {"waiting": sum(map(len, self._backlogs.values())), **self.backlog_counters}
         snapshot.update(chunks_from_replicas=self.chunks_in, chunk_frames_from_replicas=self.chunk_frames_in,
                         chunks_to_gateways=self.chunks_out, chunk_frames_to_gateways=self.chunk_frames_out)
+        # Seconds since each replica last spoke (any message): the controller counts them as its node's life
+        # (scheduler/liveness.py), so a node whose agent is starved but whose replicas stream is not lost.
+        now = self.clock()
+        snapshot["replica_silent_s"] = {rid: round(now - e.last_seen, 3) for rid, e in self.dispatcher.replicas.items()}
         with self._snapshot_lock:
             self._snapshot = snapshot
 
@@ -282,20 +290,36 @@ class ZmqRouter:
             self.chunks_in += 1
             return self.dispatcher.on_chunk(replica_id, message, self.clock())
         if isinstance(message, ReplicaHello) and message.kv_events_endpoint and self.dispatcher.follows_kv_events:
-            self._subscribe_kv_events(replica_id, message.kv_events_endpoint)
+            self._subscribe_kv_events(replica_id, message.kv_events_endpoint, message.kv_events_key)
         return self.dispatcher.on_replica_message(replica_id, message, self.clock())
 
     # ---------------------------------------------------------------- KV events (precise prefix routing)
 
-    def _subscribe_kv_events(self, replica_id: str, endpoint: str) -> None:
+    def _subscribe_kv_events(self, replica_id: str, endpoint: str, server_key: str = "") -> None:
+        curve = self._curve
+        if (curve is None) != (not server_key):
+            log.warning("not following the KV events of replica %s at %s: %s", replica_id, endpoint,
+                        "it announced no CURVE key, and this router admits only CURVE peers" if curve is not None
+                        else "they are CURVE-protected and this router has no keys")
+            return
         if self.kv_events is None:
             self.kv_events = self.context.socket(zmq.SUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
             self.kv_events.setsockopt(zmq.SUBSCRIBE, b"")
+            if curve is not None:  # one client pair (the job's) for every publisher
+                self.kv_events.curve_publickey = curve.client_public
+                self.kv_events.curve_secretkey = curve.client_secret
             self._poller.register(self.kv_events, zmq.POLLIN)
-        self.kv_events.connect(endpoint)
+        try:
+            if curve is not None:  # taken by this connection only (libzmq copies the options at connect)
+                self.kv_events.curve_serverkey = server_key.encode()
+            self.kv_events.connect(endpoint)
+        except (zmq.ZMQError, ValueError, UnicodeError) as exc:
+            log.warning("not following the KV events of replica %s at %s: %s", replica_id, endpoint, exc)
+            return
         self._kv_seq.pop(replica_id, None)
-        log.info("following KV events of replica %s at %s", replica_id, endpoint)
+        log.info("following KV events of replica %s at %s%s", replica_id, endpoint,
+                 f" (CURVE server key {server_key})" if server_key else "")
 
     def _drain_kv_events(self) -> None:
         for _ in range(1000):

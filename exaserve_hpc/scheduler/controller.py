@@ -5,8 +5,10 @@ One thread owns a ROUTER socket that every node agent's DEALER connects to
 It records agent hellos, heartbeats and replica events; asks agents to start
 the replicas the placement gives their node; restarts a failed replica (a
 bounded number of times, with backoff); suspects a node after
-`heartbeat.misses` silent intervals and declares it lost `heartbeat.grace`
-later (a heartbeat meanwhile cancels it), taking its replicas out of routing
+`heartbeat.misses` intervals silent on every channel and declares it lost a grace
+later (liveness.py: any message of its agent or of its replicas at the router
+counts as life, `exaserve serve` checks its agent process directly, and the
+grace widens with the node's observed heartbeat lateness), taking its replicas out of routing
 (adopted again if it comes back still running those not placed elsewhere);
 scales each model's replica count with the autoscaler; and answers
 `status()` for the gateway and `exaserve status`.
@@ -54,6 +56,7 @@ from .controller_status import controller_status
 from .demand import DemandHistory
 from .fleet import Fleet, FleetSnapshot
 from .fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_removal  # noqa: F401 (re-exported)
+from .liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 from .oom_control import OomControl
 from .controller_loop import ControllerLoop
 from .peer_guard import PeerGuard
@@ -97,6 +100,10 @@ class Controller(ControllerLoop):
         self.expected_agents = set(expected_agents or ())
         self._placement_opens = clock() + placement_grace
         self.lost_at: dict[str, float] = {}  # agent id -> clock() when declared lost (benchmarks read it)
+        self.lateness: dict[str, Lateness] = {}  # agent id -> how late its heartbeats arrive (liveness.py)
+        # agent id -> its agent process checked directly (True running, False gone, None cannot tell); set
+        # by `exaserve serve`, whose agent is a child (agent_supervisor.py). None: no node can be checked.
+        self.process_check: Optional[Callable[[str], Optional[bool]]] = None
         self.fleet = Fleet(site, router, run_dir)
         self.fleet.pipelines.rendezvous = self.endpoint  # where pipeline stages find each other (pipeline.py)
         self.started_at = time.time()
@@ -228,6 +235,7 @@ class Controller(ControllerLoop):
             agent.lost = False
         if isinstance(message, AgentHeartbeat):
             fleet.send(agent_id, HeartbeatAck(seq=message.seq))  # the agent's proof that we are alive
+            self.lateness.setdefault(agent_id, Lateness(self.site.heartbeat.interval)).arrived(now)
             agent.on_heartbeat(message, now)
             for status in message.replicas:
                 record = fleet.replicas.get(status.replica_id)
@@ -308,21 +316,7 @@ class Controller(ControllerLoop):
         placement and rebalancing, demand samples and L2 prefetch."""
         if not self.acting():
             return
-        expiry, grace = self.site.heartbeat.expiry, self.site.heartbeat.loss_grace
-        for agent in list(self.agents.values()):
-            silent = now - agent.last_seen
-            if agent.lost or silent <= expiry:
-                continue
-            if not agent.silent_since:  # suspected only: a heartbeat within the grace cancels it
-                agent.silent_since = now
-                log.warning("node %s silent for %.1fs; lost in %.1fs unless heard", agent.agent_id, silent, grace)
-            if silent > expiry + grace:
-                agent.lost = True
-                self.lost_at[agent.agent_id] = now
-                metrics.NODES_LOST.inc()
-                log.error("node %s lost: no heartbeat for %.1fs (%d x %.1fs)", agent.agent_id,
-                          now - agent.last_seen, self.site.heartbeat.misses, self.site.heartbeat.interval)
-                self.placement.node_lost(agent.agent_id)
+        self._judge_nodes(now)
         for record in self.replicas.values():
             if record.state is ReplicaState.FAILED and record.restart_at and now >= record.restart_at \
                     and record.agent_id and record.assignment is not None:
@@ -337,6 +331,45 @@ class Controller(ControllerLoop):
             self._next_demand_sample = now + self.demand_interval
             self.demand.observe(self.router.snapshot())
             self.weights.prefetch(now, self.demand, self.demand_interval)
+
+    # ---------------------------------------------------------------- liveness (liveness.py)
+
+    def _judge_nodes(self, now: float) -> None:
+        """Suspect, clear or declare lost each node by liveness.judge, fed every channel we have."""
+        expiry, base = self.site.heartbeat.expiry, self.site.heartbeat.loss_grace
+        quiet = [a for a in self.agents.values() if not a.lost and now - a.last_seen > expiry]
+        if not quiet:
+            return
+        replica_heard = self._replicas_heard(now)
+        for agent in quiet:
+            other = max((replica_heard.get(r.replica_id, 0.0) for r in self.replicas.values()
+                         if r.agent_id == agent.agent_id), default=0.0)
+            process = self.process_check(agent.agent_id) if self.process_check is not None else None
+            lateness = self.lateness.get(agent.agent_id)
+            grace = adaptive_grace(base, lateness.worst() if lateness else 0.0, expiry)
+            verdict = judge(now, Evidence(agent.last_seen, other, process), expiry, grace)
+            if verdict.state == SUSPECT and not agent.silent_since:  # a sign of life within the grace cancels it
+                agent.silent_since = now
+                log.warning("node %s %s; lost in %.1fs unless heard", agent.agent_id, verdict.why,
+                            expiry + grace - verdict.silent)
+            elif verdict.state == LOST:
+                agent.lost = True
+                self.lost_at[agent.agent_id] = now
+                metrics.NODES_LOST.inc()
+                log.error("node %s lost: %s (heartbeat %d x %.1fs)", agent.agent_id, verdict.why,
+                          self.site.heartbeat.misses, self.site.heartbeat.interval)
+                self.placement.node_lost(agent.agent_id)
+            elif verdict.state not in (SUSPECT, LOST) and agent.silent_since:
+                log.warning("node %s not lost: %s", agent.agent_id, verdict.why)
+                agent.silent_since = 0.0
+
+    def _replicas_heard(self, now: float) -> dict[str, float]:
+        """replica id -> when the router last heard from it, on our clock (its snapshot's ages)."""
+        try:
+            silent = self.router.snapshot().get("replica_silent_s") or {}
+        except Exception:  # a router without snapshots (tests' stand-ins): no second channel
+            return {}
+        return {rid: now - float(age) for rid, age in silent.items()}
 
     # ---------------------------------------------------------------- autoscaling
 

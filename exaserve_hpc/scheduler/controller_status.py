@@ -68,7 +68,7 @@ def controller_status(ctl: "Controller") -> dict:
             "models": models_summary(ctl),
             "placement": ctl.placement.status(),
             "oom": {"evictions": list(ctl.oom.evictions), "unresolved": list(ctl.oom.unresolved)},
-            "router": {k: v for k, v in ctl.router.snapshot().items() if k != "replicas"},
+            "router": {k: v for k, v in ctl.router.snapshot().items() if k not in ("replicas", "replica_silent_s")},
             "restored": restored_summary(ctl.restored),
         }
     finally:

@@ -25,6 +25,7 @@ from ..config import SiteConfig
 from ..protocol import AgentHello
 from ..topology import Topology, topology_from_inventory
 from .catalogue import ModelSpec, placement_order
+from .cpu_bound import cpu_replica_slots, site_bounds_cpu
 from .occupancy import PACK, Occupancy
 from .placement import Placer, capacity_problem, shape_problem
 from .plan import Assignment, Plan, replica_index
@@ -51,6 +52,8 @@ def hello_inventory(agent_id: str, hello: AgentHello) -> dict:
         entry["gpus"] = [{"index": i, "memory": total} for i, total in enumerate(pool.total)]
     host = pool.total[0] if pool is not None and pool.total else 0
     entry["host_memory"] = host if "gpus" not in entry and host else hello.host_memory_total
+    if hello.cpus:  # the cores its replicas share (cpu_bound.py)
+        entry["cpus"], entry["replica_threads"] = hello.cpus, hello.replica_threads or 1
     return entry
 
 
@@ -58,7 +61,11 @@ def fleet_topology(site: SiteConfig, inventory: Sequence[dict]) -> Topology:
     """The topology of the nodes whose agents said hello, in the site's host order, then hello order."""
     order = {h: i for i, h in enumerate(site.cluster.hostnames())}
     ranked = sorted(enumerate(inventory), key=lambda e: (order.get(e[1]["hostname"], len(order)), e[0]))
-    return topology_from_inventory([entry for _, entry in ranked], site.cluster)
+    entries = [entry for _, entry in ranked]
+    if site_bounds_cpu(site):  # CPU nodes running a CPU engine: replicas x threads <= cores (cpu_bound.py)
+        entries = [{**e, "cpu_slots": cpu_replica_slots(int(e.get("cpus") or 0), int(e.get("replica_threads") or 1))}
+                   if not e.get("gpus") else e for e in entries]
+    return topology_from_inventory(entries, site.cluster)
 
 
 def _hold(occ: Occupancy, a: Assignment) -> None:

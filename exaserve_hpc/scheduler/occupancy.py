@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from ..topology import Node, Topology
 from .catalogue import ModelSpec
+from .cpu_bound import node_replica_cap
 from .plan import Assignment, Plan, Stage, Unplaced
 
 
@@ -26,6 +27,8 @@ class Occupancy:
         self.device_fit = device_fit
         self.topology = topology
         self.cap = max_replicas_per_node
+        # per node: the cap, lowered on CPU nodes to the replicas their cores can run (cpu_bound.py)
+        self.caps: list[int] = [node_replica_cap(max_replicas_per_node, n.cpu_slots) for n in topology.nodes]
         self.free: list[list[int]] = [[d.memory for d in n.devices] for n in topology.nodes]
         self.count: list[int] = [0] * len(topology.nodes)
         self.down: set[str] = set(down)
@@ -35,7 +38,7 @@ class Occupancy:
         self.node_group: list[int] = [self.group_index[n.fault_group] for n in topology.nodes]
         self.group_nodes: list[list[int]] = [[topology.node(h).index for h in g.nodes] for g in topology.groups]
         self.group_stages: list[int] = [0] * len(topology.groups)  # replica processes per group
-        self.group_slots: list[int] = [max_replicas_per_node * sum(self.alive[i] for i in nodes)
+        self.group_slots: list[int] = [sum(self.caps[i] for i in nodes if self.alive[i])
                                        for nodes in self.group_nodes]
         self.model_groups: dict[str, list[int]] = {}  # model -> replicas per group index
         self.assignments: dict[str, Assignment] = {}
@@ -80,7 +83,7 @@ class Occupancy:
         failover or added by the autoscaler. SPREAD: emptiest first, so small
         replicas use every GPU's compute before doubling up.
         """
-        if not self.alive[node] or self.count[node] >= self.cap:
+        if not self.alive[node] or self.count[node] >= self.caps[node]:
             return None
         n: Node = self.topology.nodes[node]
         free = self.free[node]
@@ -113,7 +116,8 @@ class Occupancy:
         for s in a.stages:
             n = topo.node(s.node)
             assert self.alive[n.index], f"{a.replica_id}: node {s.node} is down"
-            assert self.count[n.index] < self.cap, f"{a.replica_id}: {s.node} already holds {self.cap} replicas"
+            assert self.count[n.index] < self.caps[n.index], \
+                f"{a.replica_id}: {s.node} already holds {self.caps[n.index]} replicas"
             for d in s.gpus:
                 self.free[n.index][d] -= a.bytes_per_gpu
                 assert self.free[n.index][d] >= 0, f"{a.replica_id}: {s.node} device {d} over-committed"

@@ -60,7 +60,11 @@ def capacity_problem(spec: ModelSpec, occ: Occupancy) -> str:
     alive = [i for i, a in enumerate(occ.alive) if a]
     if not alive:
         return "no healthy nodes are left"
-    if all(occ.count[i] >= occ.cap for i in alive):
+    if all(occ.count[i] >= occ.caps[i] for i in alive):
+        if any(occ.caps[i] < occ.cap for i in alive):  # CPU nodes bounded by their cores (cpu_bound.py)
+            return (f"every healthy node already holds as many replicas as its CPU cores can run "
+                    f"({', '.join(sorted({str(occ.caps[i]) for i in alive}))}: replicas x BLAS threads <= cores; "
+                    f"max_replicas_per_node {occ.cap}); add nodes or cores")
         return (f"every healthy node already holds max_replicas_per_node ({occ.cap}) replicas; "
                 f"raise scheduler.max_replicas_per_node or add nodes")
     dev = occ.topology.nodes[alive[0]].devices[0]

@@ -56,7 +56,7 @@ def _utilisation(occ: Occupancy, i: int, busy: list[float]) -> float:
     node = occ.topology.nodes[i]
     memory = sum(d.memory for d in node.devices)
     reserved = memory - sum(occ.free[i])
-    return max(reserved / memory if memory else 1.0, occ.count[i] / occ.cap, busy[i] / len(node.devices))
+    return max(reserved / memory if memory else 1.0, occ.count[i] / occ.caps[i], busy[i] / len(node.devices))
 
 
 def rebalance(plan: Plan, topology: Topology, catalogue: dict[str, ModelSpec], max_replicas_per_node: int,

@@ -72,6 +72,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    # The script copy is 0600 from its first byte, and sbatch records this umask (SLURM_UMASK) for the
+    # job's output files and its shell: they name the site's paths and the job's logs, the user's alone.
+    os.umask(0o077)
     job_root = Path(options["job_root"])
     job_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = job_root / f"{options['job_name']}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"

@@ -6,7 +6,7 @@ from exaserve_hpc.protocol import (
     Abort, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, TokenChunk,
 )
 from exaserve_hpc.router.balancing import LeastLoad, ReplicaLoad, RoundRobin
-from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher, DispatchSettings
+from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher, DispatchSettings, attempt_id
 
 GW = b"gw1"
 
@@ -74,15 +74,18 @@ def test_replica_lost_mid_stream_resumes_on_another_with_tokens_already_sent():
     hello(d, "r2")
     d.on_replica_message("r1", TokenChunk(request_id="a", token_ids=[7, 8]), 0.1)
     out = d.replica_lost("r1", "killed", 0.2)
-    [(target, resumed)] = to_replica(out)
-    assert target == "r2"
+    # The lost replica is told to abort (it may still run it: a false loss); the resend has its own id.
+    [(aborted, abort), (target, resumed)] = to_replica(out)
+    assert (aborted, type(abort).__name__, abort.request_id) == ("r1", "Abort", "a")
+    assert target == "r2" and resumed.request_id == attempt_id("a", 2) != "a"
     assert resumed.prompt_token_ids == [256, 1, 2, 7, 8]
     assert resumed.max_tokens == 3 and resumed.resumed_tokens == 2
     # The old replica's late chunks are ignored; the new one's are forwarded with the totals.
     assert to_gateway(d.on_replica_message("r1", TokenChunk(request_id="a", token_ids=[99]), 0.3)) == []
-    [chunk] = to_gateway(d.on_replica_message("r2", TokenChunk(request_id="a", token_ids=[9, 10, 11],
+    [chunk] = to_gateway(d.on_replica_message("r2", TokenChunk(request_id=resumed.request_id, token_ids=[9, 10, 11],
                                                                 finished=True, finish_reason="length"), 0.4))
     assert chunk.completion_tokens == 5 and chunk.prompt_tokens == 3 and chunk.finished
+    assert chunk.request_id == "a" and not d.attempts
     assert d.counters["retries"] == 1
 
 
@@ -97,7 +100,7 @@ def test_silent_replica_expires_and_its_requests_move():
     d.on_replica_message(other, ReplicaStats(replica_id=other), 2.9)
     out = d.tick(3.5)
     assert first not in d.replicas
-    assert ("b" in {m.request_id for _, m in to_replica(out) if isinstance(m, GenerateRequest)})
+    assert (attempt_id("b", 2) in {m.request_id for _, m in to_replica(out) if isinstance(m, GenerateRequest)})
 
 
 def test_attempts_are_bounded_then_a_clear_503():

@@ -6,7 +6,7 @@ from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, RequestError, T
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
 from exaserve_hpc.router.balancing import LeastLoad, WeightSettings
 from exaserve_hpc.router.breaker import BreakerSettings
-from exaserve_hpc.router.dispatch import REPLICA, Dispatcher, DispatchSettings
+from exaserve_hpc.router.dispatch import REPLICA, Dispatcher, DispatchSettings, attempt_id
 
 GW = b"gw"
 
@@ -39,7 +39,8 @@ def open_breaker(d):
     for i in range(2):
         d.on_request(GW, req(f"a{i}"), i)
         fail(d, f"a{i}", "bad", i)
-        d.on_replica_message("good", TokenChunk(request_id=f"a{i}", token_ids=[1], finished=True), i + 0.5)
+        d.on_replica_message("good", TokenChunk(request_id=attempt_id(f"a{i}", 2), token_ids=[1], finished=True),
+                             i + 0.5)
     assert "bad" in d.unavailable
 
 

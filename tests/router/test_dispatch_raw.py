@@ -9,7 +9,7 @@ import zmq
 
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk, decode, encode
 from exaserve_hpc.router.balancing import RoundRobin
-from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher, DispatchSettings
+from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher, DispatchSettings, attempt_id
 from exaserve_hpc.router.dispatch_state import PromptTokens, RoutedRequest, array_length
 from exaserve_hpc.router.zmq_router import ZmqRouter, _frontend_decoder
 
@@ -55,9 +55,10 @@ def test_first_attempt_forwards_the_gateway_bytes_and_a_retry_re_encodes_prompt_
     assert isinstance(message, GenerateRequest)
     assert message.prompt_token_ids == PROMPT + [9, 8] and message.max_tokens == 3 and message.resumed_tokens == 2
     assert (message.seed, message.temperature) == (3, 0.5)
-    [last] = d.on_replica_message(again.peer.decode(), TokenChunk(request_id="q", token_ids=[1, 2, 3],
+    assert message.request_id == attempt_id("q", 2)  # a resend's own replica-side id
+    [last] = d.on_replica_message(again.peer.decode(), TokenChunk(request_id=message.request_id, token_ids=[1, 2, 3],
                                                                   finished=True), 0.3)
-    assert last.message.prompt_tokens == len(PROMPT) and last.message.completion_tokens == 5
+    assert last.message.request_id == "q" and last.message.prompt_tokens == len(PROMPT) and last.message.completion_tokens == 5
 
 
 def test_through_the_real_router_the_replica_receives_the_request_byte_for_byte():
@@ -136,7 +137,8 @@ def test_the_router_reads_a_packed_prompts_length_and_hashes_and_forwards_it_unc
                                                                      finished=i == 0), 0.1)
         assert chunks[0].message.prompt_tokens == len(PROMPT)
     assert sent[0] == sent[1]  # the second found the first's blocks: the hashes were read, not lost
-    retried = [o for o in d.replica_lost(sent[0].decode(), "test", 0.2) if o.side == REPLICA]
+    retried = [o for o in d.replica_lost(sent[0].decode(), "test", 0.2)
+               if o.side == REPLICA and isinstance(o.message, GenerateRequest)]
     assert retried and all(o.message.prompt_token_ids[:len(PROMPT)] == PROMPT for o in retried)
 
 

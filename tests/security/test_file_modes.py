@@ -43,8 +43,9 @@ def test_run_dir_l2_and_checkpoints_are_private(tmp_path):
         for root in (tmp_path / "run", tmp_path / "shm" / f"exaserve-l2-{os.getuid()}", tmp_path / "models"):
             found.update(modes(root))
         names = {Path(p).name for p in found}
-        assert {"controller-state.h5", "serve.json", "server.key", "client.key", "manifest.json", "config.json",
-                ".exaserve-l2.json", "localhost"} <= names, sorted(names)
+        assert {"controller-state.h5", "serve.json", "server.key", "client.key", "kv-salt", "manifest.json",
+                "config.json", ".exaserve-l2.json"} <= names, sorted(names)
+        assert any(n.startswith("localhost@serve-") for n in names), sorted(names)  # the run's own L2 directory
         wrong = {p: m for p, m in found.items() if m != (oct(0o700) if os.path.isdir(p) else oct(0o600))}
         assert wrong == {}
         assert stat.S_IMODE((tmp_path / "shm").stat().st_mode) == 0o1777  # the shared place is not ours to close

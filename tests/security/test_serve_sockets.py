@@ -136,4 +136,4 @@ def test_run_keys_are_private(served):
     keys = served["run"] / "keys"
     assert oct(keys.stat().st_mode & 0o777) == oct(0o700)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in keys.iterdir()} == {
-        n: oct(0o600) for n in ("server.key", "server.pub", "client.key", "client.pub")}
+        n: oct(0o600) for n in ("server.key", "server.pub", "client.key", "client.pub", "kv-salt")}
