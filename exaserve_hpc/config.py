@@ -505,6 +505,8 @@ class SiteConfig(_Section):
             warnings += [f"models[{i}].engine: {m.engine} publishes no KV events, so router.prefix_mode precise "
                          f"routes model {m.model_name} by load only" for i, m in enumerate(self.models)
                          if not engine_publishes_kv_events(m.engine)]
+        if (problem := self.mpi_problem()) is not None:
+            warnings.append(problem)
         for engine in dict.fromkeys(m.engine for m in self.models):  # knobs the site sets that an engine lacks
             ignored = [k for k in engine_spec(engine).ignored_batching if k in self.batching.model_fields_set]
             if ignored:
@@ -513,6 +515,20 @@ class SiteConfig(_Section):
                                 f"{models}): the engine batches by its own scheduler; max_batch_size, chunked_prefill "
                                 f"and prefill_chunk_tokens are mapped")
         return warnings
+
+    def mpi_problem(self) -> Optional[str]:
+        """Why this install cannot launch the site's Slurm job, or None: `cluster.mpi` pmix or pmi2 (the ranks
+        meet through MPI) needs mpi4py, which only the [mpi] extra installs. Sites without a partition are not
+        Slurm sites (`exaserve serve` uses no MPI)."""
+        if self.cluster.partition is None or self.cluster.mpi == "none":
+            return None
+        import importlib.util
+        if importlib.util.find_spec("mpi4py") is not None:
+            return None
+        return (f"cluster.mpi: {self.cluster.mpi} needs mpi4py, which this install lacks, so every rank of the job "
+                "would exit at start; install it with: pip install 'exaserve-hpc[mpi]' (with the site's MPI "
+                "module loaded, so mpi4py builds against that MPI), or set cluster.mpi: none (ranks meet through "
+                "the job directory)")
 
     @property
     def run_path(self) -> Path:

@@ -72,6 +72,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
+    problem = load_site(resolve_site(args.site)).mpi_problem()
+    if problem is not None:  # refused before Slurm queues a job that cannot start
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     # The script copy is 0600 from its first byte, and sbatch records this umask (SLURM_UMASK) for the
     # job's output files and its shell: they name the site's paths and the job's logs, the user's alone.
     os.umask(0o077)
