@@ -76,6 +76,22 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_yaml_int(node)
 
 
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001
+        """A key given twice in one mapping is an error (YAML keeps the last one silently: a site file whose
+        second `models:` or `port:` quietly replaced the first would run a config nobody wrote)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                if key is None or key == "<<":
+                    continue
+                if key in seen:
+                    raise ConfigFileError(_where(key_node), f"the key {key!r} a second time in one mapping (first "
+                                          f"at line {seen[key]})", "each key once per mapping")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
 
 

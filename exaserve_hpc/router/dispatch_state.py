@@ -170,6 +170,12 @@ def attempt_id(request_id: str, attempt: int) -> str:
     return request_id if attempt <= 1 else f"{request_id}~a{attempt}"
 
 
+def request_id_of(wire_id: str) -> str:
+    """The request's own id of a replica-side id (the inverse of `attempt_id`)."""
+    base, mark, attempt = wire_id.rpartition("~a")
+    return base if mark and attempt.isdigit() else wire_id
+
+
 @dataclass
 class DispatchSettings:
     max_attempts: int = 3

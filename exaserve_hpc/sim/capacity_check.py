@@ -105,7 +105,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser, site_help: str) -> N
     parser.add_argument("--site", help=site_help)
     parser.add_argument("--workload", required=True, help="workload YAML file or shipped name (its peak rate and mix)")
     parser.add_argument("--rate", type=float, help="multiply every stream's request rate by this")
-    parser.add_argument("--headroom", type=float, default=HEADROOM, help=f"default {HEADROOM:.0%}")
+    parser.add_argument("--headroom", type=float, default=HEADROOM, help=f"spare capacity over the peak, a fraction (default {HEADROOM:g})")
     parser.add_argument("--check", action="store_true", help="simulate the answer and say whether it holds the SLO")
     parser.add_argument("--duration", type=float, help="--check: simulated seconds (default: the workload's)")
     parser.add_argument("--json", help="also write the answer (and the check) here")

@@ -35,6 +35,7 @@ from ..protocol import (
     StartReplica, StopReplica, TokenChunk,
 )
 from ..router.dispatch import GATEWAY
+from ..router.dispatch_state import request_id_of
 from ..scheduler.catalogue import catalogue_from_site
 from ..scheduler.controller import Controller
 from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
@@ -164,7 +165,7 @@ class Simulation:
             if replica is None:
                 continue  # a dead replica: the message is lost, as on a dead node
             if isinstance(m, GenerateRequest):
-                info = self.requests.get(m.request_id)
+                info = self.requests.get(request_id_of(m.request_id))  # a resend carries its attempt's id
                 blocks = info[0].blocks if info is not None else ()
                 if replica.add(SimSeq(m.request_id, len(m.prompt_token_ids), m.max_tokens, blocks), now):
                     self.later(replica.busy_until, self._wake, replica, replica.version)
@@ -179,7 +180,7 @@ class Simulation:
         out = []
         rid, requests = replica.replica_id, self.requests
         for kind, seq in replica.wake(now):
-            info = requests.get(seq.request_id)
+            info = requests.get(request_id_of(seq.request_id))
             if info is None:
                 continue  # ended at the gateway already (its router would drop the late answer)
             thread, chunks = info[3], 0  # the answer goes to the router that sent the request

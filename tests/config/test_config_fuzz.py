@@ -77,6 +77,8 @@ BASE = "site: t\nmodels: [{model_name: m}]\n"
     (BASE + "cluster: {host_memory: 5EiB}\n", "cluster.host_memory", "512MiB"),
     (BASE + "cluster: {host_memory: 99999999TiB}\n", "cluster.host_memory", "1 PiB"),
     (BASE + "batching: {max_wait_ms: .nan}\n", "batching.max_wait_ms", "finite"),
+    (BASE + "gateway: {port: 8000}\ngateway: {port: 9000}\n", "line 4", "each key once per mapping"),
+    ("site: t\nmodels: [{model_name: m, engine: echo, engine: reference}]\n", "line 2", "each key once"),
 ])
 def test_each_hostile_input_is_one_clear_problem(tmp_path, text, where, allowed):
     path = tmp_path / "site.yaml"
