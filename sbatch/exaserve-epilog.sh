@@ -44,6 +44,9 @@ for base in ${EXASERVE_L2_PATHS:-/dev/shm /dev/shm/exaserve}; do
     files="$(find "$dir" -type f 2>/dev/null | wc -l)"
     bytes="$(du -sb "$dir" 2>/dev/null | cut -f1)"
     rm -rf -- "$dir"
+    # Only empty directories (an L2 directory per run: a killed run's agent leaves its own, empty when it
+    # served no weights): nothing held the node's memory
+    [ "$files" -eq 0 ] && continue
     say "removed leftover L2 $dir ($files files, ${bytes:-0} bytes)"
     removed=1
 done
