@@ -119,7 +119,6 @@ class AgentSupervisor:
         starts), None for another node or a process that cannot be judged (stopped by a signal)."""
         if node != self.node:
             return None
-        from .scheduler.liveness import process_running
         process = self.process
         if process.poll() is not None:
             return False
@@ -183,3 +182,25 @@ class AgentSupervisor:
                     controller.handle(node, ReplicaEvent(agent_id=node, replica_id=record.replica_id,
                                                          state=ReplicaState.FAILED.value, detail=why))
         controller.fleet.submit(fail_old)
+
+
+def process_running(pid: int) -> Optional[bool]:
+    """A local process checked through /proc: True running (or runnable, however starved), False gone (or a
+    zombie), None when it cannot tell (stopped by a signal, being traced: it may be hung; no /proc)."""
+    if pid <= 0:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        state = stat[stat.rindex(")") + 2]
+    except (ValueError, IndexError):
+        return None
+    if state in "ZX":
+        return False
+    if state in "Tt":
+        return None
+    return True

@@ -49,8 +49,7 @@ from .gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant,
 from .memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from .nvml_probe import host_memory, read_gpus
 from .replica_main import die_with_parent
-from ..scheduler.cpu_bound import replica_threads, usable_cores
-from .replica_process import ReplicaSlot, parse_status_line, replica_env, spawn
+from .replica_process import ReplicaSlot, parse_status_line, replica_env, replica_threads, spawn, usable_cores
 from .weight_loader import PREFETCH, FillResult, WeightLoader
 
 log = logging.getLogger("exaserve.agent")

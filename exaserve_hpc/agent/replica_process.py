@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Iterator, Mapping, Optional, Union
 
 from .gpu_binding import ReplicaBinding
 from .memory_pool import Reservation
@@ -77,6 +77,9 @@ class ReplicaSlot:
                              devices=list(self.binding.devices) if self.binding else [])
 
 
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The replica's environment: one BLAS thread each unless the operator chose otherwise, plus
     what the agent adds (`extra`: under `exaserve launch`, where the job's CURVE keys are).
@@ -85,9 +88,30 @@ def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     for work make every replica's steps many times slower under contention.
     """
     env = dict(os.environ)
-    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for name in BLAS_THREAD_VARIABLES:
         env.setdefault(name, "1")
     return {**env, **(extra or {})}
+
+
+def replica_threads(env: Optional[Mapping[str, str]] = None) -> int:
+    """Compute threads a replica runs: its BLAS threads as replica_env sets them (1 unless the operator chose
+    otherwise); the controller bounds CPU replicas per node by it (scheduler/cpu_bound.py)."""
+    env = os.environ if env is None else env
+    best = 1
+    for name in BLAS_THREAD_VARIABLES:
+        try:
+            best = max(best, int(env.get(name) or 1))
+        except ValueError:
+            continue
+    return best
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity: a Slurm step's cpuset, taskset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 0
 
 
 # The Slurm step's MPI wiring: what srun (--mpi=pmix|pmi2), mpirun and the PMI libraries put in a task's

@@ -51,7 +51,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hf_format import HF_MODEL_TYPES
+from .checkpoint import CONFIG_FILE, SHARD_RE
+from .hf_format import HF_MODEL_TYPES, INDEX_FILE, SINGLE_FILE
 from .manifest import (
     ALL_DIGESTS, MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, Progress, fsync_dir, new_hash,
     parse_manifest, write_synced,
@@ -59,12 +60,8 @@ from .manifest import (
 
 SUPPORTED_MODEL_TYPES = HF_MODEL_TYPES  # what the reference engine runs (hf_format.py)
 SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype code -> bytes per element
-CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 METADATA_SUFFIXES = (".json", ".jinja", ".txt", ".md")
 # A model name, optionally with the '@VERSION' a rollout names a version by (rollout_control.version_dir):

@@ -6,15 +6,11 @@ autoscaler grow `exaserve serve` to 16 reference replicas on a 2-core machine: e
 sliver of a core, heartbeats were seconds late and nothing finished. So on a node without GPUs, while the
 site serves any CPU-compute model, the node holds at most `cpu_replica_slots(cores, threads)` replicas
 (Occupancy's per-node cap, placement and the autoscaler's `placeable_replicas` alike). A node that does
-not report its cores (an older agent) is not bounded.
+not report its cores (an older agent) is not bounded. The agent measures its cores and its replicas'
+threads (agent/replica_process.py usable_cores, replica_threads) and reports them in its hello.
 """
 
 from __future__ import annotations
-
-import os
-from typing import Mapping, Optional
-
-BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def cpu_replica_slots(cores: int, threads_per_replica: int) -> int:
@@ -23,27 +19,6 @@ def cpu_replica_slots(cores: int, threads_per_replica: int) -> int:
     if cores <= 0:
         return 0
     return max(1, cores // max(1, threads_per_replica))
-
-
-def replica_threads(env: Optional[Mapping[str, str]] = None) -> int:
-    """Compute threads a replica runs: its BLAS threads as the agent sets them (agent/replica_process.py
-    replica_env: 1 unless the operator chose otherwise)."""
-    env = os.environ if env is None else env
-    best = 1
-    for name in BLAS_THREAD_VARIABLES:
-        try:
-            best = max(best, int(env.get(name) or 1))
-        except ValueError:
-            continue
-    return best
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity: a Slurm step's cpuset, taskset), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 0
 
 
 def node_replica_cap(cap: int, cpu_slots: int) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 ALIVE, SUSPECT, LOST = "alive", "suspect", "lost"
@@ -88,25 +87,3 @@ def adaptive_grace(base: float, worst_lateness: float, expiry: float,
     times the worst recent heartbeat lateness, capped at `cap_expiries` expiries (never below `base`)."""
     cap = max(base, cap_expiries * expiry)
     return max(base, min(cap, factor * worst_lateness))
-
-
-def process_running(pid: int) -> Optional[bool]:
-    """A local process checked through /proc: True running (or runnable, however starved), False gone (or a
-    zombie), None when it cannot tell (stopped by a signal, being traced: it may be hung; no /proc)."""
-    if pid <= 0:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        state = stat[stat.rindex(")") + 2]
-    except (ValueError, IndexError):
-        return None
-    if state in "ZX":
-        return False
-    if state in "Tt":
-        return None
-    return True

@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 
-from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, node_replica_cap, replica_threads
-from exaserve_hpc.scheduler.liveness import (
-    ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge, process_running,
-)
+from exaserve_hpc.agent.replica_process import replica_threads
+from exaserve_hpc.agent_supervisor import process_running
+from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, node_replica_cap
+from exaserve_hpc.scheduler.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 
 
 # ---------------------------------------------------------------- judge
