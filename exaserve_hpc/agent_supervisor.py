@@ -73,7 +73,9 @@ def orphaned_replicas() -> list[int]:
 def end_orphans(known: Iterable[int] = ()) -> list[int]:
     """Kill and reap the dead agent's replicas; their pids. `known`: the replicas' pids as the controller has
     them. A replica that ended by itself before the scan (PDEATHSIG's TERM: an idle one drains at once) is
-    a zombie of ours whose /proc cmdline is empty, so the scan cannot name it: it is reaped by its pid."""
+    a zombie of ours whose /proc cmdline is empty, so the scan cannot name it: it is reaped by its pid. One
+    the scan missed while it still ran (its /proc entries unreadable for a moment on a loaded machine) is
+    killed and reaped by its pid too: left alone it would drain and stay a zombie nobody waits for."""
     pids = orphaned_replicas()
     for pid in pids:
         try:
@@ -83,9 +85,11 @@ def end_orphans(known: Iterable[int] = ()) -> list[int]:
             pass
     for pid in set(known) - set(pids):
         try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                pids.append(pid)
-        except ChildProcessError:  # not a child of ours (never reparented here, or reaped already)
+            if not os.waitpid(pid, os.WNOHANG)[0]:  # our child (reparented here), still running
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            pids.append(pid)
+        except (ChildProcessError, ProcessLookupError):  # not a child of ours (never reparented, or reaped)
             continue
     return pids
 

@@ -40,3 +40,24 @@ def test_a_replica_that_ended_before_the_scan_is_reaped_by_its_pid():
     finally:
         if stat.exists():
             os.waitpid(pid, 0)
+
+
+def test_a_running_replica_the_scan_missed_is_killed_and_reaped_by_its_pid():
+    """A dead agent's replica the /proc scan did not name (here: its command line is not a replica's) while
+    it still ran: left alone it would drain and stay a zombie; the controller's pid names it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from exaserve_hpc.agent_supervisor import end_orphans
+
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        assert stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # running
+        assert pid in end_orphans(known=[pid])
+        assert not stat.exists(), "still running or a zombie"
+    finally:
+        if stat.exists():
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
