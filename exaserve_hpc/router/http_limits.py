@@ -12,7 +12,9 @@ protocol class so that, per gateway:
   own sockets and files): a new connection over the cap closes the oldest idle one (no request in
   progress), as nginx does with its keep-alive connections; when none is idle, the new one gets a 503
   with Retry-After and is closed. So accepting never stops and a flood of idle connections costs the
-  flood its oldest connections, not the server its clients;
+  flood its oldest connections, not the server its clients. A connection whose request bytes already
+  wait in its socket (accepted in the same burst as a thousand others, not yet read by the loop) is not
+  idle, whatever its age: evicting it would cost a client its request;
 - one peer address holds at most ``max_connections_per_client`` (the same rule within its own);
 - an idle connection (before its first request, or after a response) that has sent no byte of a next
   request is closed after ``keep_alive_timeout``; one that has begun a request's headers must finish
@@ -25,10 +27,13 @@ Nothing here logs a line per connection: counts are kept on the guard (``evicted
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 import resource
+import struct
+import termios
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -77,6 +82,17 @@ def fd_room() -> int:
     return max(16, soft - used - FD_RESERVE)
 
 
+def waiting_bytes(transport) -> int:
+    """Bytes the kernel holds unread for this connection (FIONREAD); 0 when it cannot tell."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+
+
 def _refusal() -> bytes:
     body = json.dumps({"error": {
         "message": "this gateway holds as many connections as it may; retry after the Retry-After seconds",
@@ -102,8 +118,9 @@ def _base_protocol():
 class ConnectionGuard:
     """The open connections of one gateway (one uvicorn server, one event loop) and their limits."""
 
-    def __init__(self, limits: HttpLimits, clock=time.monotonic):
+    def __init__(self, limits: HttpLimits, clock=time.monotonic, waiting=waiting_bytes):
         self.limits = limits
+        self.waiting = waiting  # transport -> unread bytes in its socket
         self.cap = max(16, min(limits.max_connections, fd_room()))
         self.per_client = max(1, min(limits.max_connections_per_client, self.cap))
         self.clock = clock
@@ -170,9 +187,9 @@ class ConnectionGuard:
             transport.close()
 
     def _evict(self, connections: "OrderedDict[object, None]") -> bool:
-        """Close the oldest idle connection of these; False when every one is serving a request."""
+        """Close the oldest idle connection of these; False when every one is serving or sending a request."""
         for protocol in connections:
-            if self.idle(protocol):
+            if self.idle(protocol) and not self.waiting(protocol.transport):
                 self.evicted += 1
                 self._forget(protocol)
                 protocol.transport.close()

@@ -87,3 +87,29 @@ def test_the_sweep_closes_idle_connections_after_keep_alive_and_slow_ones_after_
         assert guard.timed_out == 2
         guard._sweeping.cancel()
     asyncio.run(run())
+
+
+def test_a_connection_whose_request_already_waits_in_its_socket_is_not_evicted_however_old():
+    """The flood's burst: a client's connection accepted among a thousand others, its request in the
+    kernel's buffer but not yet read by the loop, is not idle (it failed so under 20,000 connections)."""
+    import socket
+
+    async def run():
+        guard = ConnectionGuard(HttpLimits(max_connections=16, max_connections_per_client=3))
+        pairs = [socket.socketpair() for _ in range(3)]
+        try:
+            protocols = []
+            for server_end, _ in pairs:
+                protocol = connect(guard)
+                protocol.transport.get_extra_info = (
+                    lambda key, s=server_end, p=protocol.transport.peer: s if key == "socket" else (p, 40000))
+                protocols.append(protocol)
+            pairs[0][1].sendall(b"POST /v1/completions HTTP/1.1\r\n")  # the oldest has a request waiting
+            newcomer = connect(guard)
+            assert not protocols[0].transport.closed and protocols[1].transport.closed  # the next oldest went
+            assert not newcomer.transport.closed and guard.evicted == 1
+        finally:
+            for a, b in pairs:
+                a.close()
+                b.close()
+    asyncio.run(run())
