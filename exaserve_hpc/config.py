@@ -507,6 +507,13 @@ class SiteConfig(_Section):
                          if not engine_publishes_kv_events(m.engine)]
         if (problem := self.mpi_problem()) is not None:
             warnings.append(problem)
+        if self.ha.etcd is not None and self.ha.etcd.members:
+            import shutil
+            from .ha.etcd_member import ETCD_BINARY
+            if shutil.which(ETCD_BINARY) is None:
+                warnings.append(f"ha.etcd.members: {self.ha.etcd.members} etcd members start on the job's first ranks, "
+                                f"which need the `{ETCD_BINARY}` binary on PATH there; not found here (Debian: "
+                                f"apt-get install etcd-server; or the centre's etcd module in cluster.modules)")
         for engine in dict.fromkeys(m.engine for m in self.models):  # knobs the site sets that an engine lacks
             ignored = [k for k in engine_spec(engine).ignored_batching if k in self.batching.model_fields_set]
             if ignored:

@@ -154,6 +154,7 @@ class Candidate:
         self.plane = None
         self.rank_router = None  # router k + gateway k on rank k < router.count: the rank's, whoever leads
         self.stop_asked = False
+        self.stopped_the_job = False  # this rank led when the run stopped (signal, requeue, stop file)
         self.elected = threading.Event()
         self.election = Election(etcd, self.prefix, f"rank{rank.rank}@{rank.node}", self.timing,
                                  on_elected=lambda e: self.elected.set(), on_deposed=self._deposed,
@@ -329,6 +330,7 @@ class Candidate:
                     code, deposed = self.lead()
                     if not deposed:
                         self.mark_stopped()
+                        self.stopped_the_job = True
                         return code  # the job stopped (signal, requeue): not a failover
                     signal.signal(signal.SIGTERM, self._on_stop_signal)
                     signal.signal(signal.SIGUSR1, self._on_stop_signal)
@@ -367,13 +369,18 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
         except ControlPlaneError as exc:
             raise BootstrapError(str(exc)) from exc
     member, endpoints, tls = start_etcd(site, rank, jobdir, args.bootstrap_timeout)
+    candidate: Optional[Candidate] = None
     try:
         timing = LeaseTiming.from_settings(site.ha.lease_ttl, site.ha.renew_interval)
         etcd = EtcdClient(endpoints, timeout=min(2.0, timing.renew_interval), tls=tls)
         print(f"exaserve: rank {rank.rank} on {rank.node}: etcd {','.join(endpoints)}"
               + (f" (member {member.spec.name} here)" if member else ""), flush=True)
-        return Candidate(site, job, rank, jobdir, inventories, args, etcd).run()
+        candidate = Candidate(site, job, rank, jobdir, inventories, args, etcd)
+        return candidate.run()
     finally:
         if member is not None:
             member.stop()
+        if candidate is not None and candidate.stopped_the_job:  # the leader that stopped the run, last of all:
+            from ..launcher.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
+            end_if_batch_host_lost(job, rank, jobdir, "the run stopped")  # would otherwise stay RUNNING
 

@@ -88,6 +88,15 @@ class JobEnvironment(abc.ABC):
     def release_requests(self) -> None:
         """Cancel every request_nodes allocation (the controller they join is going away)."""
 
+    def end_job(self, why: str) -> None:
+        """End the whole job now (its nodes go back), from one of its own ranks."""
+        raise JobEnvError(f"{self.name}: not a batch job; nothing to end ({why})")
+
+    def batch_host_lost(self) -> bool:
+        """Is the node running the job's batch script down? Such a job cannot end by itself when its ranks
+        are done (Slurm waits for the script), so a rank must end it. False when it cannot tell."""
+        return False
+
     def resume_dir(self) -> Optional[Path]:
         """A predecessor job's directory whose checkpoint this run restores (a successor job)."""
         value = self.env.get(RESUME_VARIABLE)

@@ -185,3 +185,23 @@ class SlurmJobEnvironment(JobEnvironment):
     def release_requests(self) -> None:
         if self.companions is not None:
             self.companions.cancel_all()
+
+    def end_job(self, why: str) -> None:
+        """scancel this job: a successor waiting on it (afterany) starts, its nodes go back. This rank's own
+        step is signalled too (TERM, then KILL after KillWait), so call it last."""
+        from ..slurm.client import SlurmError
+        log.warning("cancelling job %s: %s", self.job_number, why)
+        try:
+            self.client.cancel(self.job_number)
+        except SlurmError as exc:
+            raise JobEnvError(f"cannot cancel job {self.job_number}: {exc}") from exc
+
+    def batch_host_lost(self) -> bool:
+        from ..slurm.client import SlurmError
+        from ..slurm.states import NodeState
+        try:
+            host = self.client.job_record(self.job_number).get("BatchHost", "")
+            return bool(host) and self.client.nodes([host])[0].state is NodeState.DOWN
+        except (SlurmError, IndexError, KeyError, JobEnvError) as exc:
+            log.warning("cannot tell whether job %s's batch host is up: %s", self.env.get("SLURM_JOB_ID"), exc)
+            return False

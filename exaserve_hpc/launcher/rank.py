@@ -236,8 +236,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
             return run_controller(site, job, rank, jobdir, inventories, args, comm)
         if rank.rank < site.router.count:  # several routers share the fleet: router k and a gateway on rank k
             from .router_rank import run_router_rank
-            return run_router_rank(site, rank, jobdir, args, comm)
-        return run_agent(site, rank, jobdir, comm)
+            code = run_router_rank(site, rank, jobdir, args, comm)
+        else:
+            code = run_agent(site, rank, jobdir, comm)
+        from ..agent.node_agent import EXIT_CONTROLLER_LOST
+        if code == EXIT_CONTROLLER_LOST:  # rank 0 went silent: one surviving rank gives the job back
+            from .controller_lost import after_controller_lost
+            nodes = (jobdir.read_json("controller.json") or {}).get("nodes") or [""]  # by rank
+            after_controller_lost(job, rank, jobdir, nodes[0], not args.no_requeue and site.requeue.enabled)
+        return code
     except (BootstrapError, ControlPlaneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -72,3 +72,33 @@ def requeue_decision(snapshot: RequeueSnapshot, policy: RequeuePolicy = RequeueP
                            f"{len(snapshot.live_nodes)}/{snapshot.planned_nodes} nodes live ({share:.0%}) < floor "
                            f"{policy.capacity_floor:.0%}; lost {', '.join(exclude) or 'none'}")
     return RequeueDecision(False, why="capacity, time and controller node are fine")
+
+
+# ---------------------------------------------------------------- the controller lost (no HA)
+
+
+@dataclass(frozen=True)
+class ControllerLostDecision:
+    """What the one surviving rank that acts does when the controller went silent without HA
+    (launcher/controller_lost.py). action: "successor" (a successor job excluding `exclude`, resuming from
+    the last periodic checkpoint, then this job cancelled) or "cancel" (this job cancelled: its nodes go back)."""
+    action: str
+    exclude: tuple[str, ...]
+    why: str
+
+
+def controller_lost_decision(controller_node: str, requeue_enabled: bool, can_requeue: bool,
+                             checkpoint_age: Optional[float]) -> ControllerLostDecision:
+    """checkpoint_age: seconds since the controller's last periodic checkpoint was written; None: none was."""
+    exclude = (controller_node,) if controller_node else ()
+    lost = f"the controller on {controller_node or 'rank 0'} went silent"
+    if not requeue_enabled:
+        return ControllerLostDecision("cancel", exclude, f"{lost}; requeue is off (requeue.enabled, --no-requeue), "
+                                                         f"so the job is cancelled and its nodes go back")
+    if not can_requeue:
+        return ControllerLostDecision("cancel", exclude, f"{lost}; this batch system cannot requeue, so the job is "
+                                                         f"cancelled and its nodes go back")
+    state = ("from the site's plan (no periodic checkpoint was written; requeue.checkpoint_interval)"
+             if checkpoint_age is None else f"from the checkpoint written {checkpoint_age:.0f}s before")
+    return ControllerLostDecision("successor", exclude, f"{lost}; a successor job excluding "
+                                                        f"{controller_node or 'no node'} starts {state}")
