@@ -155,6 +155,12 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             err.print(str(exc), highlight=False, markup=False)
             failed += 1
             continue
+        from .quota.keys import key_file_problems
+        if problems := key_file_problems(site):
+            for problem in problems:
+                err.print(f"{name}: {problem}", highlight=False, markup=False)
+            failed += 1
+            continue
         replicas = sum(site.initial_replicas(m) for m in site.models)
         out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
                   f"{replicas} replica(s))", highlight=False)

@@ -78,6 +78,9 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     # Whatever this server, its agent and replicas create (KV snapshots, L2 files, tiny checkpoints, logs)
     # is the user's own: 0700 directories, 0600 files (issue 13 item 14).
     os.umask(0o077)
+    from .quota.keys import key_file_problems
+    if problems := key_file_problems(site):  # before the run directory exists: nothing is left behind
+        raise ServeError("; ".join(problems))
     run_dir = private_run_dir(options.run_dir or site.run_path)
     keys = run_keys(run_dir)
     install_block_hash_salt(run_dir)  # made with the keys: this run's router and gateway hash as its replicas do

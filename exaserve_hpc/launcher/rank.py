@@ -91,7 +91,7 @@ def stop_gracefully_on_signals(stop, grace: float = AGENT_STOP_GRACE) -> None:
 
 def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                    inventories: list[NodeInventory], args: argparse.Namespace, comm=None) -> int:
-    from ..control_plane import ControlPlane, PlaneSettings
+    from ..control_plane import ControlPlane, ControlPlaneError, PlaneSettings
     keys = None
     if not args.no_curve:
         if curve_available():
@@ -102,6 +102,9 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     nodes = [inv.node for inv in inventories]
     resume = job.resume_dir()
     try:
+        from ..quota.keys import key_file_problems
+        if problems := key_file_problems(site):
+            raise ControlPlaneError("; ".join(problems))
         check_quota_accounts(site)
         from .router_rank import check_router_count
         check_router_count(site, rank.size)  # router k runs on rank k

@@ -113,3 +113,16 @@ def plaintext_warnings(site) -> list[str]:
     return [f"quota_groups[{i}].api_keys: group {g.name!r} keeps {len(g.api_keys)} key(s) in plaintext; "
             f"store hashes instead (`exaserve keys add {g.name}`, or api_key_hashes: [sha256 of each key])"
             for i, g in enumerate(site.quota_groups) if g.api_keys]
+
+
+def key_file_problems(site) -> list[str]:
+    """Why each quota group's key_file cannot be used (missing, open to others, malformed); [] when all can.
+    `exaserve serve`, rank 0 and `config check` ask before anything is created, so a bad file is one line."""
+    problems = []
+    for group in site.quota_groups:
+        if group.key_file:
+            try:
+                read_key_file(key_file_path(group.key_file), group.name)
+            except KeyFileError as exc:
+                problems.append(str(exc))
+    return problems

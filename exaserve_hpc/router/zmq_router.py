@@ -56,6 +56,7 @@ import msgspec
 import zmq
 
 from ..engine.kv_events import AllBlocksCleared, decode_batch
+from ..peer_guard import PeerGuard
 from ..protocol import Abort, DecodeError, Message, ReplicaHello, RequestError, TokenChunk, TokenChunks
 from .dispatch import GATEWAY, Dispatcher, Outgoing, RoutedRequest
 
@@ -68,6 +69,9 @@ GATEWAY_HWM = 10_000  # replies queued in libzmq per gateway connection before E
 GATEWAY_BACKLOG = 200_000  # replies held by us per gateway beyond that; then one request is failed
 BACKLOG_POLL_MS = 1  # poll timeout while a backlog waits to be flushed
 SNAPSHOT_SHARE = 0.02  # of the router thread's time at most spent on status snapshots
+# The largest message a peer may send (ZMQ_MAXMSGSIZE): a gateway's request for a 1M-token prompt packs its ids
+# and block hashes into about 4.3 MB; a larger message drops the sender's connection before it is read.
+MAX_MESSAGE_BYTES = 64 << 20
 
 # The hot path calls the Cython socket methods with int flags: pyzmq's sugar
 # (send_multipart, enum flags) costs about 3 us a message, as much as the routing.
@@ -112,6 +116,11 @@ class ZmqRouter:
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises instead of vanishing
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger one drops its connection unread
+        # Malformed messages are counted per peer; past a limit the peer is refused a while (dropped unread),
+        # and each kind is logged once per peer (peer_guard.py): 20,000 bad frames cost a counter, not the log.
+        self.peers = PeerGuard()
+        self._refused: frozenset = frozenset()  # peers refused now; refreshed each tick and on a refusal
         self.frontend.setsockopt(zmq.SNDHWM, gateway_hwm)  # before bind: connections take it when they come
         self.gateway_backlog = gateway_backlog
         self._backlogs: dict[bytes, deque] = {}  # gateway identity -> replies waiting for room, oldest first
@@ -204,6 +213,8 @@ class ZmqRouter:
             now = self.clock()
             if now >= next_tick:
                 self._send(self.dispatcher.tick(now))
+                if self._refused:
+                    self._refused = self.peers.refused_now(now)
                 next_tick = now + POLL_MS / 1000
                 if now >= next_snapshot:
                     self._publish_snapshot()
@@ -211,9 +222,17 @@ class ZmqRouter:
                     # thread's time. At most SNAPSHOT_SHARE of the thread goes to it, at least one a tick.
                     next_snapshot = now + max(POLL_MS / 1000, (self.clock() - now) / SNAPSHOT_SHARE)
 
+    def _bad(self, peer: bytes, kind: str, detail: str) -> None:
+        now = self.clock()
+        line = self.peers.bad(bytes(peer), kind, detail, now)
+        if line:
+            log.warning("router: %s", line)
+            self._refused = self.peers.refused_now(now)
+
     def _publish_snapshot(self) -> None:
         snapshot = self.dispatcher.snapshot()
         # Backpressure towards the gateways: replies waiting now, and the counts since start.
+        snapshot["peer_guard"] = self.peers.status(self.clock())
         snapshot["gateway_backlog"] = {"waiting": sum(map(len, self._backlogs.values())), **self.backlog_counters}
         snapshot.update(chunks_from_replicas=self.chunks_in, chunk_frames_from_replicas=self.chunk_frames_in,
                         chunks_to_gateways=self.chunks_out, chunk_frames_to_gateways=self.chunk_frames_out)
@@ -245,12 +264,18 @@ class ZmqRouter:
                     while _sockopt(sock, _RCVMORE):  # the rest of a multipart message is already here
                         _recv_frame(sock, _NOBLOCK)
                         frames += 1
-                    log.warning("dropping a message of %d frames (expected identity + payload)", frames)
+                    if self._refused and peer in self._refused:
+                        self.peers.dropped += 1
+                    else:
+                        self._bad(peer, "multipart", f"{frames} frames (expected identity + payload)")
+                    continue
+                if self._refused and peer in self._refused:
+                    self.peers.dropped += 1
                     continue
                 try:
                     out += handler(peer, frame.buffer)
                 except DecodeError as exc:
-                    log.warning("dropping an undecodable message from %r: %s", peer[:32], exc)
+                    self._bad(peer, "undecodable", str(exc))
                 except Exception:  # a bug in one message must not stop the router serving the others
                     log.exception("router failed on a message from %r", peer[:32])
                 self.messages_routed += 1
@@ -306,6 +331,7 @@ class ZmqRouter:
             self.kv_events = self.context.socket(zmq.SUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
             self.kv_events.setsockopt(zmq.SUBSCRIBE, b"")
+            self.kv_events.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if curve is not None:  # one client pair (the job's) for every publisher
                 self.kv_events.curve_publickey = curve.client_public
                 self.kv_events.curve_secretkey = curve.client_secret

@@ -59,7 +59,7 @@ from .fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_remov
 from .liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 from .oom_control import OomControl
 from .controller_loop import ControllerLoop
-from .peer_guard import PeerGuard
+from ..peer_guard import PeerGuard
 from .placement_control import PlacementControl, is_reservation_refusal
 from .rollout_control import RolloutFleet
 from .weight_control import WeightControl

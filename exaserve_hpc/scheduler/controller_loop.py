@@ -2,7 +2,7 @@
 
 `Controller` (controller.py) inherits this loop; the loop owns the ROUTER socket. Every round it reads what
 agents sent (each message decoded, checked and handled under its own guard: a bad one is dropped and
-counted against its peer, peer_guard.py), runs work queued from other threads, ticks every
+counted against its peer, exaserve_hpc/peer_guard.py), runs work queued from other threads, ticks every
 `scheduler.tick_interval` (reading the socket again first, so what arrived while the loop was busy counts
 before any node is judged silent) and sends the handlers' outbox. An exception in a tick or a queued
 command is logged once and the loop goes on: nothing a message or a policy does ends the thread.
@@ -18,7 +18,7 @@ from typing import Callable
 import zmq
 
 from ..protocol import DecodeError, decode, encode
-from .peer_guard import invalid
+from .message_checks import invalid
 
 log = logging.getLogger("exaserve.controller")
 
@@ -58,7 +58,7 @@ class ControllerLoop:
                 log.exception("controller: %s failed (the controller carries on)", what)
 
     def _receive(self) -> None:
-        """Every waiting message (at most 1000), each under its own guard (peer_guard.py)."""
+        """Every waiting message (at most 1000), each under its own guard (exaserve_hpc/peer_guard.py)."""
         for _ in range(1000):
             try:
                 peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)

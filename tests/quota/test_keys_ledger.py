@@ -45,6 +45,23 @@ def test_key_file_open_to_others_or_holding_a_plaintext_key_is_refused(tmp_path)
     assert "a-plaintext-key-by-mistake" not in str(caught.value)
 
 
+def test_serve_and_config_check_refuse_a_key_file_open_to_others_in_one_line_and_leave_nothing(tmp_path):
+    key_file = tmp_path / "climate.keys"
+    key_file.write_text(hash_key("a") + "\n")
+    key_file.chmod(0o644)
+    site = {"site": "keys-test", "run_dir": str(tmp_path / "run"), "cluster": {"nodes": 1, "nodelist": "localhost"},
+            "weight_cache": {"l3_path": str(tmp_path / "models")}, "gateway": {"port": 0},
+            "models": [{"model_name": "echo", "engine": "echo", "max_seq_len": 512}],
+            "quota_groups": [{"name": "climate", "key_file": str(key_file)}]}
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
+    served = cli("serve", "--site", str(tmp_path / "site.yaml"))
+    assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
+    assert "key_file" in served.stderr and "chmod 600" in served.stderr and len(served.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    checked = cli("config", "check", str(tmp_path / "site.yaml"))
+    assert checked.returncode == 2 and "mode 644" in checked.stderr, checked
+
+
 def test_keys_add_prints_the_key_once_and_stores_only_its_hash(tmp_path):
     key_file = tmp_path / "keys" / "climate"
     site = {"site": "keys-test", "run_dir": str(tmp_path / "run"), "models": [{"model_name": "m"}],

@@ -216,3 +216,35 @@ def test_a_replica_process_reads_the_keys_its_agent_names(job, context):
         for slot in slots:  # killed: the refused one blocks in a send to a router that never admits it
             slot.process.kill()
             slot.process.wait(10)
+
+
+def test_a_peer_flooding_malformed_frames_costs_a_few_log_lines_is_refused_and_others_are_served(context, caplog):
+    """20,000 undecodable or multipart frames from one peer: each kind logged once and the refusal once
+    (peer_guard.PeerGuard), the peer's later messages dropped unread, a well-formed replica registered
+    after it; a frame past MAX_MESSAGE_BYTES drops its sender's connection unread."""
+    from exaserve_hpc.router import zmq_router
+    router = make_router(context)
+    rogue = dealer(context, router.backend_endpoint, None, b"rogue")
+    big = dealer(context, router.frontend_endpoint, None, b"big")
+    replica = dealer(context, router.backend_endpoint, None, b"m/r0")
+    try:
+        with caplog.at_level(logging.WARNING, logger="exaserve_hpc.router.zmq_router"):
+            for i in range(20_000):
+                if i % 2:
+                    rogue.send(b"\xc1not msgpack")
+                else:
+                    rogue.send_multipart([b"a", b"b"])
+            big.send(b"\x00" * (zmq_router.MAX_MESSAGE_BYTES + 1))
+            assert wait_for(lambda: router.snapshot().get("peer_guard", {}).get("dropped_messages", 0) >= 20_000,
+                            timeout=30)
+            replica.send(hello("m/r0"))
+            assert wait_for(lambda: registered(router) == ["m/r0"], timeout=10)
+        guard = router.snapshot()["peer_guard"]
+        assert guard["refused_peers"] == ["rogue"], guard
+        lines = [r.getMessage() for r in caplog.records if "rogue" in r.getMessage()]
+        assert 2 <= len(lines) <= 3 and any("refusing peer" in line for line in lines), lines
+        assert not any("big" in r.getMessage() for r in caplog.records)  # never read, so never logged
+    finally:
+        for sock in (rogue, big, replica):
+            sock.close(0)
+        router.stop()

@@ -20,7 +20,7 @@ from exaserve_hpc.protocol import AgentHeartbeat, HeartbeatAck, ReplicaEvent, Re
 from exaserve_hpc.router.backend import ModelInfo
 from exaserve_hpc.router.client import RouterClient
 from exaserve_hpc.router.gateway import create_app
-from exaserve_hpc.scheduler.peer_guard import PeerGuard
+from exaserve_hpc.peer_guard import PeerGuard
 
 from tests.test_controller import MODEL, FakeAgent, context, make_controller, wait_for  # noqa: F401 (fixtures)
 

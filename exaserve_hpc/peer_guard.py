@@ -1,12 +1,12 @@
-"""What the controller does with a message it cannot use: a pure policy, no sockets, the clock passed in.
+"""What a ZeroMQ service (the controller, the router) does with messages it cannot use: a pure policy, no
+sockets, the clock passed in.
 
-Every message the controller receives is handled under its own guard (controller.py): one that does not
-decode, names a state no replica can be in, or makes a handler raise is dropped and counted against the
-peer (the ZeroMQ identity) that sent it. The first bad message of each kind from a peer is logged; past
-`limit` bad messages within `window` seconds the peer is refused for `refuse_for` seconds (its messages
-are dropped unread), so a broken or hostile peer costs the controller a counter, never its thread.
-
-`invalid(message)` checks what decoding cannot: the replica states named in heartbeats and events.
+Every message is handled under a guard: one that does not decode, or that its handler refuses, is dropped
+and counted against the peer (the ZeroMQ identity) that sent it. The first bad message of each kind from a
+peer is logged; past `limit` bad messages within `window` seconds the peer is refused for `refuse_for`
+seconds (its messages are dropped unread), so a broken or hostile peer costs the service a counter and
+one log line, never its thread or its disk. What the controller checks beyond decoding:
+scheduler/message_checks.py.
 """
 
 from __future__ import annotations
@@ -14,28 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..agent.lifecycle import ReplicaState
-from ..protocol import AgentHeartbeat, ReplicaEvent
-
-_STATES = frozenset(s.value for s in ReplicaState)
 MAX_SHOWN = 120  # characters of a bad value shown in a log line
 
 
 def shorten(text: str, limit: int = MAX_SHOWN) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def invalid(message) -> str:
-    """Why `message` cannot be handled though it decoded ("" when it can)."""
-    if isinstance(message, AgentHeartbeat):
-        for status in message.replicas:
-            if status.state not in _STATES:
-                return (f"heartbeat names replica {shorten(status.replica_id, 60)!r} in unknown state "
-                        f"{shorten(status.state, 40)!r}; states: {', '.join(sorted(_STATES))}")
-    elif isinstance(message, ReplicaEvent) and message.state not in _STATES:
-        return (f"event for replica {shorten(message.replica_id, 60)!r} names unknown state "
-                f"{shorten(message.state, 40)!r}")
-    return ""
 
 
 @dataclass
@@ -79,6 +62,10 @@ class PeerGuard:
             return None
         state.kinds.add(kind)
         return f"dropped a bad message from peer {peer[:32]!r} ({kind}): {shorten(detail, 300)}"
+
+    def refused_now(self, now: float) -> frozenset:
+        """The peers refused at `now` (a service may keep this set and test membership per message)."""
+        return frozenset(p for p, s in self._peers.items() if now < s.refused_until)
 
     def status(self, now: float) -> dict:
         return {"dropped_messages": self.dropped,
