@@ -108,16 +108,25 @@ def render_status(status: dict, url: str) -> None:
     if status.get("models"):
         out.print(_models_table(status["models"]))
     replicas = Table(title="replicas")
-    for column in ("replica", "model", "state", "node", "devices", "pid", "endpoint", "queue", "in flight", "restarts",
-                   "weights"):
+    # "via router": replicas connect out to a router's backend (they listen on nothing): which one
+    for column in ("replica", "model", "state", "node", "devices", "pid", "via router", "queue", "in flight",
+                   "restarts", "weights"):
         replicas.add_column(column)
     for r in status.get("replicas", []):
         model = f"{r['model']}@{r['version']}" if r.get("version") else r["model"]
         devices = ",".join(r.get("devices") or ["-"])  # the replica's CUDA_VISIBLE_DEVICES
-        replicas.add_row(r["replica_id"], model, r["state"], str(r["node"] or "-"), devices, str(r["pid"] or "-"),
+        state = r["state"]
+        if state == "serving" and (r.get("silent_s") or 0) > SILENT_SHOWN:  # hung or stopped (SIGSTOP)
+            state = f"serving, silent {r['silent_s']:.0f}s"
+        elif state == "serving" and r.get("routed") is False:  # its router dropped it (silent past its expiry)
+            state = "serving, not routed"
+        replicas.add_row(r["replica_id"], model, state, str(r["node"] or "-"), devices, str(r["pid"] or "-"),
                          str(r["endpoint"] or "-"), str(r["queue_depth"]), str(r["outstanding"]), str(r["restarts"]),
                          _weights_column(r))
     out.print(replicas)
+
+
+SILENT_SHOWN = 5.0  # seconds: a serving replica unheard this long is shown as silent (it reports every second)
 
 
 def _models_table(models: list[dict]) -> Table:

@@ -3,7 +3,8 @@
 Copies the modulefiles (Lmod's exaserve/VERSION.lua and the Tcl exaserve/VERSION) into DIR and writes
 DIR/exaserve.conf beside them: the install's prefix (this Python's environment), the default site
 config, where site configs are looked up, and one `prereq=` line per module the site names
-(cluster.modules). Then: `module use DIR && module load exaserve`.
+(cluster.modules). A shipped site (`--site NAME`) is copied with the others into DIR/site-configs/, an
+editable copy outside the install, and the module points there. Then: `module use DIR && module load exaserve`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,20 @@ def write_modulefiles(target: Path, site_file: Path, prefix: Path) -> list[Path]
         if not (source / name).exists():
             raise FileNotFoundError(f"no modulefile {source / name} for version {__version__} in this install")
         written.append(Path(shutil.copy(source / name, target / "exaserve" / name)))
+    site_file = Path(site_file).resolve()
+    shipped = data_path("site-configs").resolve()
+    if site_file.parent == shipped:
+        # A shipped site named by --site NAME lives inside this install (site-packages, replaced by the next
+        # upgrade): the module points at an editable copy beside the modulefiles instead, with the other
+        # shipped sites, so `--site NAME` keeps working.
+        copies = target / "site-configs"
+        copies.mkdir(parents=True, exist_ok=True)
+        for shipped_site in shipped.glob("*.y*ml"):
+            if not (copies / shipped_site.name).exists():  # a centre's edits are never overwritten
+                shutil.copy(shipped_site, copies / shipped_site.name)
+        site_file = copies / site_file.name
     readme = data_path("README.md")
-    lines = [f"prefix={prefix}", f"site={Path(site_file).resolve()}", f"site_dir={Path(site_file).resolve().parent}",
+    lines = [f"prefix={prefix}", f"site={site_file}", f"site_dir={site_file.parent}",
              *([f"url={readme}"] if readme.exists() else []), *(f"prereq={m}" for m in site.cluster.modules)]
     conf = target / "exaserve.conf"
     conf.write_text("# written by `exaserve modules install`; read by the exaserve modulefiles beside it\n"

@@ -79,6 +79,12 @@ def test_modules_install_from_an_installed_wheel(installed, tmp_path):
     conf = (tmp_path / "mods" / "exaserve.conf").read_text()
     assert f"prefix={installed}" in conf and "site=" in conf and str(ROOT) not in conf
     assert list((tmp_path / "mods" / "exaserve").iterdir())
+    # the shipped site named by --site is an editable copy beside the modulefiles, not a file in site-packages
+    copies = tmp_path / "mods" / "site-configs"
+    assert f"site={copies / 'local.yaml'}\n" in conf and f"site_dir={copies}\n" in conf, conf
+    assert {p.name for p in copies.iterdir()} >= {"local.yaml", "small16-a100.yaml"}
+    settings = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith("#"))
+    assert all(Path(settings[k]).exists() for k in ("prefix", "site", "site_dir", "url") if k in settings), conf
 
 
 def test_launch_from_an_installed_wheel(installed, tmp_path):

@@ -40,7 +40,15 @@ def test_a_stalled_then_resumed_replica_is_replaced_and_the_model_is_back_to_tar
             time.sleep(0.5)
         victim, pid = sorted(serving(state).items())[0]
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(4)  # the router drops it after 1 s of silence
+        # status says the stopped replica is not serving normally: its router dropped it after 1 s of silence
+        deadline = time.monotonic() + 30
+        while next(r for r in status(tmp_path)["replicas"] if r["replica_id"] == victim)["routed"]:
+            assert time.monotonic() < deadline, "status still shows the stopped replica routed"
+            time.sleep(0.2)
+        table = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "status", "--run-dir", str(tmp_path / "run")],
+                               capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "250"})
+        assert any(victim in line and ("not routed" in line or "silent" in line)
+                   for line in table.stdout.splitlines()), table.stdout
         os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 45
         while True:

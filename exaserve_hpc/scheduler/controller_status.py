@@ -24,7 +24,9 @@ def _finite(x: float) -> Optional[float]:
 
 def controller_status(ctl: "Controller") -> dict:
     """The fleet as one JSON-ready dict (see the module docstring)."""
-    routed = {r["replica_id"]: r for r in ctl.router.snapshot().get("replicas", [])}
+    snapshot = ctl.router.snapshot()
+    routed = {r["replica_id"]: r for r in snapshot.get("replicas", [])}
+    silent = snapshot.get("replica_silent_s") or {}  # seconds since the router last heard each replica
     if not ctl.fleet.lock.acquire(timeout=2.0):  # a stalled controller holds it: say so rather than hang
         return {"site": ctl.site.site, "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
                                                       "liveness": ctl.liveness() or ["controller busy"]}}
@@ -36,7 +38,11 @@ def controller_status(ctl: "Controller") -> dict:
                            "router_backend": ctl.router.backend_endpoint,
                            "liveness": ctl.liveness() or "ok", **ctl.peers.status(time.monotonic())},
             "agents": [
-                {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid, "gpus": a.gpus,
+                # GPUs: the ones granted to the agent's step (its memory pool's devices), as NVML may not
+                # report them (the count of NVML readings, a.gpus, is 0 there)
+                {"agent_id": a.agent_id, "hostname": a.hostname, "pid": a.pid,
+                 "gpus": len(a.memory.device_ids) if a.memory is not None and a.memory.device_ids else a.gpus,
+                 "gpu_ids": list(a.memory.device_ids) if a.memory is not None else [],
                  "state": "lost" if a.lost else ("silent" if a.silent_since else "alive"),
                  "heartbeat_age": round(ctl.clock() - a.last_seen, 3),
                  "lost_since": (round(time.time() - (ctl.clock() - ctl.lost_at[a.agent_id]), 3)
@@ -62,13 +68,16 @@ def controller_status(ctl: "Controller") -> dict:
                  "outstanding": routed.get(r.replica_id, {}).get("outstanding", 0),
                  "restarts": r.restarts, "detail": r.detail, "load_progress": r.load_progress,
                  "load_bytes_done": r.load_bytes_done, "load_bytes_total": r.load_bytes_total,
-                 "load_source": r.load_source, "devices": replica_devices(ctl.agents.get(r.agent_id), r.replica_id)}
+                 "load_source": r.load_source, "devices": replica_devices(ctl.agents.get(r.agent_id), r.replica_id),
+                 # a replica sends stats every router.replica_heartbeat: one long silent is hung or stopped
+                 # (SIGSTOP) though its process lives; the router drops it after its replica expiry
+                 "silent_s": silent.get(r.replica_id), "routed": r.replica_id in routed}
                 for r in ctl.replicas.values()
             ],
             "models": models_summary(ctl),
             "placement": ctl.placement.status(),
             "oom": {"evictions": list(ctl.oom.evictions), "unresolved": list(ctl.oom.unresolved)},
-            "router": {k: v for k, v in ctl.router.snapshot().items() if k not in ("replicas", "replica_silent_s")},
+            "router": {k: v for k, v in snapshot.items() if k not in ("replicas", "replica_silent_s")},
             "restored": restored_summary(ctl.restored),
         }
     finally:

@@ -304,8 +304,14 @@ class PlacementControl:
 
 
 def closed_nodes(live) -> dict[str, str]:
-    """node -> why it takes no new replica: short of memory (OOM guard) or leaving."""
-    return {a.agent_id: a.memory_closed or a.leaving for a in live if a.memory_closed or a.leaving}
+    """node -> why it takes no new replica: short of memory (OOM guard), leaving, or silent (past the heartbeat
+    expiry, not yet lost: a replica failed over onto it would most likely be lost with it)."""
+    closed = {}
+    for a in live:
+        why = a.memory_closed or a.leaving or ("silent: suspected lost" if a.silent_since else "")
+        if why:
+            closed[a.agent_id] = why
+    return closed
 
 
 def is_reservation_refusal(state: ReplicaState, detail: str) -> bool:

@@ -107,6 +107,12 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
                       f"--router-chunk-cost-us, --router-stats-cost-us >= 0; got {args.routers} and "
                       f"{', '.join(f'{c:g}' for c in costs)}", highlight=False)
         return 2
+    if args.out:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:  # before a long run, not after it
+            console.print("[red]error[/]: --out writes a report with plots, which needs matplotlib; install the "
+                          "simulator's extra: pip install 'exaserve-hpc[sim]'", highlight=False)
+            return 2
     runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
     sites = {name: site for name in runs}
     if args.size_by_capacity:

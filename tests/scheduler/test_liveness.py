@@ -192,3 +192,17 @@ def test_a_two_core_node_runs_two_reference_replicas_whatever_max_replicas_per_n
     ctl2, now2 = controller(tmp_path / "b", replicas=8, max_per_node=16)
     hello(ctl2, now2)
     assert sum(r.assignment is not None for r in ctl2.replicas.values()) == 8
+
+
+def test_a_silent_node_takes_no_new_replica_until_heard_again(tmp_path):
+    """Failover once re-placed a replica onto a node of the same fault group that was already silent."""
+    from exaserve_hpc.scheduler.placement_control import closed_nodes
+    ctl, now = controller(tmp_path, grace=30.0)
+    hello(ctl, now)
+    tick(ctl, now, 5.0)  # past 1 s x 3 unheard, within the grace: suspected, not lost
+    agent = ctl.agents["n0"]
+    assert agent.silent_since and not agent.lost
+    assert closed_nodes([agent]) == {"n0": "silent: suspected lost"}
+    with ctl.fleet.lock:
+        ctl.handle("n0", AgentHeartbeat(agent_id="n0", seq=5))
+    assert not agent.silent_since and closed_nodes([agent]) == {}

@@ -41,15 +41,25 @@ def test_epilog_removes_a_jobs_leftover_l2_unless_the_user_still_runs_a_job_ther
         leftover = node_shm(NODE) / "exaserve-l2-0" / NODE
         leftover.mkdir(parents=True, exist_ok=True)
         (leftover / "weights.bin").write_bytes(b"\0" * 4096)
+        # and an etcd member's data of each job (ha.etcd.members), under the node's own /tmp
+        etcd = node_shm(NODE).parent / "tmp" / "exaserve-etcd-0"
+        for job in (first, second):
+            (etcd / f"{job}-0" / "etcd-1" / "member" / "wal").mkdir(parents=True, exist_ok=True)
+            (etcd / f"{job}-0" / "etcd-1" / "member" / "wal" / "0.wal").write_bytes(b"\0" * 8192)
 
         subprocess.run(["scancel", str(first)], check=True, timeout=30)
-        said = wait_for(lambda: epilog_lines(first), 60, f"the epilog of job {first}", interval=0.5)
-        assert "kept L2 of uid 0: other jobs on this node" in said[0] and str(second) in said[0], said
+        said = wait_for(lambda: len(epilog_lines(first)) >= 2 and epilog_lines(first), 60,
+                        f"the epilog of job {first}", interval=0.5)
+        assert any("kept L2 of uid 0: other jobs on this node" in line and str(second) in line for line in said), said
+        assert any(f"removed leftover etcd data /tmp/exaserve-etcd-0/{first}-0" in line for line in said), said
         assert (leftover / "weights.bin").exists()
+        assert not (etcd / f"{first}-0").exists() and (etcd / f"{second}-0").exists()  # only its own job's
 
         subprocess.run(["scancel", str(second)], check=True, timeout=30)
-        said = wait_for(lambda: epilog_lines(second), 60, f"the epilog of job {second}", interval=0.5)
-        assert "removed leftover L2 /dev/shm/exaserve-l2-0 (1 files" in said[0], said
+        said = wait_for(lambda: len(epilog_lines(second)) >= 2 and epilog_lines(second), 60,
+                        f"the epilog of job {second}", interval=0.5)
+        assert any("removed leftover L2 /dev/shm/exaserve-l2-0 (1 files" in line for line in said), said
         assert not (node_shm(NODE) / "exaserve-l2-0").exists()
+        assert not etcd.exists()
     finally:
         subprocess.run(["scancel", str(first), str(second)], capture_output=True, timeout=30)

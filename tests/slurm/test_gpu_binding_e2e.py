@@ -21,7 +21,10 @@ def test_replicas_using_whole_gpus_get_distinct_devices_on_a_node(slurm_cluster,
     site.write_text(yaml.safe_dump(data))
     job = submit(site, shared_tmp / "jobs", nodes=2)
     try:
-        by_node = check_devices(wait_serving(job, agents=2, replicas=4), {"tiny-llama": 1.0})
+        status = wait_serving(job, agents=2, replicas=4)
+        by_node = check_devices(status, {"tiny-llama": 1.0})
         assert sorted(len(r) for r in by_node.values()) == [2, 2], by_node
+        # status counts the GPUs each step was granted (GRES gpu:4), though no NVML reports them here
+        assert [(a["gpus"], len(a["gpu_ids"])) for a in status["agents"]] == [(4, 4), (4, 4)], status["agents"]
     finally:
         job.cancel()
