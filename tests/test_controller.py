@@ -347,7 +347,8 @@ def test_scale_down_drains_the_least_busy_in_the_router_before_stopping_them(mak
     agent.send(ReplicaEvent(agent_id="a", replica_id=f"{MODEL}/r0001", state="stopped", detail="stopped on request"))
     wait_for(lambda: f"{MODEL}/r0001" not in controller.replicas, what="stopped replica forgotten")
     assert f"{MODEL}/r0000" in controller.replicas and controller.replicas[f"{MODEL}/r0000"].stopping
-    assert (f"{MODEL}/r0001", "scaled down, stopped") in router.lost
+    # the router is told after the record goes (another step of the controller's thread): wait on it too
+    wait_for(lambda: (f"{MODEL}/r0001", "scaled down, stopped") in router.lost, what="the router told")
     agent.quiet(StartReplica, 0.3)  # a scaled-down replica is not restarted
 
 
