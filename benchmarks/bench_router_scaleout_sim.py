@@ -19,7 +19,7 @@ STATS_COST_S, on every site; 0 and 0 give the request-only model). With them (20
 batched: 2.5 us each) a request costs ~148 us (~40 chunks beyond the first at exa256-a100's step times and
 20 ms coalescing) and the stats take 3.8% of each router: together they sustain ~6,500 requests/s a
 router, so exa256-mix's peak saturates 1 and 2 routers, 3 hold it at 97% in the busiest interval, 4 at 75%
-and 6 at 51%; 64 at 8%, 0 lost (exa256-a100 ships 64, for its gateways: README). One chunk a frame (--chunk-cost-us 7.6, the figure before replicas
+and 6 at 51%; 64 at 8%, 0 lost (exa256-a100 ships 64, for its gateways: docs/benchmarks.md). One chunk a frame (--chunk-cost-us 7.6, the figure before replicas
 and gateways batched them) needed 8 (89%) to 12 (60%). --site small16-a100
 runs the same shape in seconds: its peak is scaled to the site (--qps, default 200 requests/s) and the cost
 with it (--cost-us default there 7,850 us: 1.57 CPU-seconds a second at the peak, a clearer saturation),

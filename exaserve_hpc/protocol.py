@@ -82,7 +82,7 @@ class TokenChunks(_Msg, tag="chunks"):
     """Several requests' chunks in one frame, each meaning what it would alone, in order: a replica's
     from one pass of its loop to one router, a router's to one gateway (one that set batch_replies).
     A frame, its receive and its send cost a router about as much as routing the chunk inside it, and a
-    replica's engine step yields a chunk for every running request at once (README: router CPU)."""
+    replica's engine step yields a chunk for every running request at once (docs/benchmarks.md: router CPU)."""
     chunks: list[TokenChunk]
 
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 # network namespaces, util-linux for nsenter/unshare, libpmix2 for srun --mpi=pmix), Lmod, Prometheus
 # (prometheus and promtool: the alert rules' tests and a real Prometheus scraping exaserve serve), etcd
 # (etcd-server 3.4: the control-plane HA tests start a 3-member cluster, tests/ha/; openssl makes its
-# certificates), haproxy (the README's proxy recipe in front of HA gateway candidates, through a failover), gcc and the
+# certificates), haproxy (docs/slurm.md's proxy recipe in front of HA gateway candidates, through a failover), gcc and the
 # Python headers (pip install -e . compiles the router's prefix index and route, router/_*.pyx).
 DEBIAN_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge lmod iproute2 util-linux libpmix2 prometheus slurmdbd mariadb-server etcd-server openssl haproxy gcc python3-dev)
 missing=()

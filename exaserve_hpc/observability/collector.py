@@ -50,7 +50,7 @@ measures no latency), a placed one not yet serving 2; a node is 12 series plus 5
 a model about 15; the cluster about 30. At the target scale (3,072 replicas on 256 nodes of 8 GPUs)
 that is about 58,400 + 13,300 = 71,700 series: benchmarks/bench_metrics_scrape.py measures one scrape of
 such a fleet (6.9 MB of text, 0.6 MB as the gateway gzips it for Prometheus; a few hundred ms on 2 cores,
-the README's benchmarks table has the figures), so scrape every 15 s or slower at that scale. Replica ids
+docs/benchmarks.md has the figures), so scrape every 15 s or slower at that scale. Replica ids
 are never reused, so a replaced replica's series end and its successor's begin: Prometheus sees churn
 proportional to failovers, not to traffic.
 """

@@ -25,7 +25,7 @@ message to the transport-free `Dispatcher`, sends what it returns, and runs
 Token chunks travel batched where both ends can: a replica sends one pass's chunks as one TokenChunks
 frame, and a gateway whose requests set batch_replies (the gateway's RouterClient does) gets the chunks
 of one burst of incoming messages as one TokenChunks frame, in order with its other replies. A frame
-costs the thread about as much as routing the chunk inside it (README: router CPU). Other frontend
+costs the thread about as much as routing the chunk inside it (docs/benchmarks.md: router CPU). Other frontend
 peers (native clients, tests) get one TokenChunk a frame, as before.
 
 Backpressure towards a gateway: a reply its connection cannot take now

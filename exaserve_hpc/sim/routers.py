@@ -50,7 +50,7 @@ from ..router.router_group import merge_snapshots
 
 # Router CPU per request: benchmarks/bench_router_throughput.py, prefix affinity with the compiled index and
 # decision, 3,072 replica sockets, varied prompts (sent packed, as gateways do), warm index, recording
-# included: 46.8 us against 25.7 us for zmq.proxy (median of 7 rounds; README, Benchmarks, 2026-12-01 on the
+# included: 46.8 us against 25.7 us for zmq.proxy (median of 7 rounds; docs/benchmarks.md, 2026-12-01 on the
 # 2-core machine; 72 us before prompts were packed), each answered by one chunk. Alone it would let one
 # thread route ~21,400 requests/s; with a stream's chunks (~40 more a request on exa256-mix, below, sent
 # batched) a request costs ~147 us and a thread routes ~6,800 a second, less what the stats take.

@@ -1,6 +1,6 @@
 """Simulator workloads: a YAML file of request streams, fault injections and the latency SLO.
 
-The format (README, "Simulator"):
+The format (docs/simulator.md):
 
     name: diurnal-mix
     duration: 1h                   # simulated time (``exaserve simulate --duration`` overrides)

@@ -36,7 +36,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "sbatch" / "haproxy-exaserve.cfg"
 
 
 def start_proxy(directory: Path) -> tuple[subprocess.Popen, str]:
-    """The README's HAProxy recipe (sbatch/haproxy-exaserve.cfg) for candidates n1-n3, on a free local port."""
+    """The documented HAProxy recipe (sbatch/haproxy-exaserve.cfg, docs/slurm.md) for candidates n1-n3, on a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

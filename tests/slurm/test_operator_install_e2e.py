@@ -1,4 +1,4 @@
-"""The README's operator install, as written, runs the shipped `slurm-local` site on the local Slurm cluster
+"""The operator install of docs/slurm.md, as written, runs the shipped `slurm-local` site on the local Slurm cluster
 (issue 25 item 8): `python3 -m venv V && V/bin/pip install 'SRC[mpi]'` (a plain, non-editable install from
 the package index, mpi4py built here), then `V/bin/exaserve submit --site slurm-local` by name; every rank
 meets through PMIx (cluster.mpi: pmix) and the gateway answers the official openai client. The venv lives on
