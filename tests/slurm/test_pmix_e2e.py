@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.waiting import wait_for
+
 from .fleet import cluster, task_exits
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.process]
@@ -30,6 +32,11 @@ out.write("done\\n")
 """
 
 
+def state(job: int) -> str:
+    return subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
 def test_pmix_world_spans_the_nodes_and_survivors_outlive_a_lost_node(slurm_cluster, shared_tmp):
     pytest.importorskip("mpi4py")
     (shared_tmp / "rank.py").write_text(RANK)
@@ -44,9 +51,11 @@ echo "srun exited with $?"
     victim = None
     try:
         logs = [shared_tmp / f"rank{r}.log" for r in range(3)]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(p.exists() and "beat 2" in p.read_text() for p in logs):
-            time.sleep(0.5)
+        # Nodes an earlier test's job still holds (COMPLETING on a node it killed) may keep this one pending:
+        # the 60 s for the ranks to start count from when it runs.
+        wait_for(lambda: state(job) not in ("PENDING", "CONFIGURING", ""), 240, f"job {job} to start", interval=1.0)
+        wait_for(lambda: all(p.exists() and "beat 2" in p.read_text() for p in logs), 60, "every rank's beat 2",
+                 interval=0.5)
         first = [p.read_text().splitlines()[0] for p in logs]
         assert all(line.startswith(f"rank {r} of 3 on ") for r, line in enumerate(first)), first
         hosts = [line.split(" on ")[1].split(":")[0] for line in first]
