@@ -25,6 +25,7 @@ from exaserve_hpc.protocol import (
 from exaserve_hpc.scheduler.autoscale import UP
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.scheduler.demand import DemandHistory
+from exaserve_hpc.router.port import RouterPortStub
 
 from tests.slurm.fleet import ROOT
 
@@ -32,8 +33,9 @@ MODEL = "tiny-llama"
 GiB = 1 << 30
 
 
-class FakeRouter:
-    """What the controller uses of ZmqRouter: endpoints, snapshot() with counters, replica_lost(), drain().
+class FakeRouter(RouterPortStub):
+    """What the controller uses of a router (router/port.py): endpoints, snapshot() with counters,
+    replica_lost(), drain().
 
     `in_flight` (replica id -> requests) is what the snapshot reports per replica; set it to make load."""
     backend_endpoint = "tcp://127.0.0.1:1"

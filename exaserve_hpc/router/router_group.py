@@ -31,6 +31,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional, TypeVar
 
+from .zmq_router import ZmqRouter
+
 T = TypeVar("T")
 
 SUMMED = ("accepted", "completed", "failed", "retries", "breaker_opened", "inflight", "pending",
@@ -38,12 +40,14 @@ SUMMED = ("accepted", "completed", "failed", "retries", "breaker_opened", "infli
           "chunks_to_gateways", "chunk_frames_to_gateways")
 
 
+def in_process(member) -> bool:
+    """A router of this process (its dispatcher can be called), not another rank's (RemoteRouter)."""
+    return isinstance(member, ZmqRouter)
+
+
 def member_alive(member) -> bool:
-    alive = getattr(member, "alive", None)  # RemoteRouter: reports arriving
-    if alive is not None:
-        return bool(alive)
-    thread = getattr(member, "_thread", None)  # ZmqRouter: its loop runs
-    return thread is not None and thread.is_alive()
+    """A member routes now (RouterPort.routing: a ZmqRouter's loop runs, a RemoteRouter's reports arrive)."""
+    return member.routing()
 
 
 def merge_snapshots(snapshots: list[dict]) -> dict:
@@ -139,7 +143,7 @@ class RouterGroup:
         with self._lock:
             backends = [m.backend_endpoint for m in self.members]
         for member in list(self.members):
-            if hasattr(member, "call"):
+            if in_process(member):
                 member.call(lambda d: d.set_routers(backends))
 
     def _wire(self, member) -> None:
@@ -147,13 +151,9 @@ class RouterGroup:
         if isinstance(member, RemoteRouter):  # a router of another rank follows router 0's canary rollouts
             member.rollouts = lambda: self.members[0].snapshot().get("rollouts")
 
-    @property
-    def _thread(self):
-        """A live router's loop, for the controller's liveness check: the service works while one runs."""
-        for member in self.members:
-            if getattr(member, "_thread", None) is not None and member_alive(member):
-                return member._thread
-        return self.members[0]._thread
+    def routing(self) -> bool:
+        """RouterPort: the service works while one member routes (the controller's liveness check)."""
+        return any(member_alive(member) for member in list(self.members))
 
     # ---------------------------------------------------------------- the controller's news, fanned out
 
@@ -169,7 +169,7 @@ class RouterGroup:
         """Run fn(dispatcher) on every router in this process (rollouts: each router's table); the first
         router's result. Routers on other ranks follow it: each report request on their control link carries
         router 0's rollout table, which they take when it differs (router_link.py), within REPORT_INTERVAL."""
-        futures = [m.call(fn) for m in list(self.members) if hasattr(m, "call") and member_alive(m)]
+        futures = [m.call(fn) for m in list(self.members) if in_process(m) and member_alive(m)]
         if not futures:
             return self.members[0].call(fn)
         return futures[0]

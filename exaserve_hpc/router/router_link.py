@@ -161,6 +161,14 @@ class RemoteRouter:
         last = self._reported_at if self._reported_at is not None else self._started_at
         return self.clock() - last < REPORT_INTERVAL * REPORT_MISSES
 
+    # RouterPort (router/port.py): a router of another rank routes while its reports arrive
+    @property
+    def backend_endpoints(self) -> list[str]:
+        return [self.backend_endpoint]
+
+    def routing(self) -> bool:
+        return self.alive
+
     # ---------------------------------------------------------------- what the controller calls
 
     def replica_lost(self, replica_id: str, cause: str) -> None:

@@ -222,6 +222,16 @@ class ZmqRouter:
                     # thread's time. At most SNAPSHOT_SHARE of the thread goes to it, at least one a tick.
                     next_snapshot = now + max(POLL_MS / 1000, (self.clock() - now) / SNAPSHOT_SHARE)
 
+    # ---------------------------------------------------------------- RouterPort (router/port.py)
+
+    @property
+    def backend_endpoints(self) -> list[str]:
+        return [self.backend_endpoint]
+
+    def routing(self) -> bool:
+        """False once its thread ran and ended (a thread not started yet is not a stopped one)."""
+        return self._thread.ident is None or self._thread.is_alive()
+
     def _bad(self, peer: bytes, kind: str, detail: str) -> None:
         now = self.clock()
         line = self.peers.bad(bytes(peer), kind, detail, now)

@@ -49,7 +49,8 @@ from ..config import SiteConfig
 from ..protocol import (
     AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica,
 )
-from ..router.zmq_router import ZmqRouter, bind
+from ..router.port import RouterPort
+from ..router.zmq_router import bind
 from .autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
 from .capacity import placeable_replicas
 from .controller_status import controller_status
@@ -71,7 +72,7 @@ MAX_MESSAGE_BYTES = 16 << 20  # an agent's largest message (a heartbeat of a tho
 
 
 class Controller(ControllerLoop):
-    def __init__(self, site: SiteConfig, router: ZmqRouter, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, site: SiteConfig, router: RouterPort, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
                  curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0,
                  demand_interval: float = 10.0, run_dir: Optional[Path] = None, bind_socket: bool = True):

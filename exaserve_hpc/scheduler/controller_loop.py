@@ -99,8 +99,7 @@ class ControllerLoop:
                 problems.append("controller thread stopped")
             elif self.loop_at and time.monotonic() - self.loop_at > STALLED:
                 problems.append(f"controller loop stalled for {time.monotonic() - self.loop_at:.0f}s")
-        thread = getattr(self.router, "_thread", None)  # ZmqRouter's loop
-        if thread is not None and thread.ident is not None and not thread.is_alive():
+        if not self.router.routing():  # RouterPort: its loop (in a group, every member's) stopped
             problems.append("router thread stopped")
         return problems
 

@@ -212,11 +212,12 @@ class Fleet:
         settings = engine_settings(self.site, model)
         snapshots = keeps_kv_snapshots(model)
         specs = []
+        backends = self.router.backend_endpoints  # several routers: a replica links to each
         for k, stage in enumerate(a.stages):
             specs.append((stage.node, StartReplica(
                 replica_id=record.replica_id, model=record.model, model_dir=self.model_dir(record),
                 version=record.version, router_backend=self.router.backend_endpoint, settings=settings,
-                router_backends=list(getattr(self.router, "backend_endpoints", ())),  # several routers
+                router_backends=list(backends) if len(backends) > 1 else [],
                 stats_interval=self.site.router.replica_heartbeat, coalesce_ms=self.site.router.coalesce_ms,
                 coalesce_tokens=self.site.router.coalesce_tokens,
                 devices=len(stage.gpus), gpu_indices=list(stage.gpus), memory_bytes=a.bytes_per_gpu,

@@ -162,8 +162,12 @@ class SimRouters:
     """What the controller holds as its router (a RouterGroup's five things), over `count` RouterThreads;
     whatever a dispatcher answers the controller's news with is queued in `out` for the simulation."""
 
-    backend_endpoint = "sim://router-backend"
+    backend_endpoint = "sim://router-backend"  # RouterPort (router/port.py), as the controller sees it
     frontend_endpoint = "sim://router-frontend"
+    backend_endpoints = [backend_endpoint]  # one backend as far as replicas are told (the simulator delivers)
+
+    def routing(self) -> bool:
+        return True
 
     def __init__(self, site, models: set, clock: Callable[[], float], count: int = 0, cost: float = ROUTER_COST_S,
                  pick: str = "round_robin", seed: int = 0, chunk_cost: float = CHUNK_COST_S,

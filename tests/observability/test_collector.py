@@ -18,11 +18,12 @@ from exaserve_hpc.protocol import (
 )
 from exaserve_hpc.router.dispatch import Dispatcher
 from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.router.port import RouterPortStub
 
 GiB = 1 << 30
 
 
-class DispatcherRouter:
+class DispatcherRouter(RouterPortStub):
     """The controller's view of the router (endpoints, snapshot, replica_lost, drain) over a real Dispatcher."""
     backend_endpoint = "tcp://127.0.0.1:1"
     frontend_endpoint = "tcp://127.0.0.1:2"

@@ -281,3 +281,29 @@ def test_a_hello_lacking_a_router_is_answered_with_every_router():
     pushed = d.set_routers(["tcp://a:1", "tcp://b:2", "tcp://c:3"])  # a third router: both replicas told
     assert sorted(o.peer for o in pushed) == [b"m/r1", b"m/r2"]
     assert all(o.message.backends[-1] == "tcp://c:3" for o in pushed)
+
+
+def test_every_router_kind_is_a_router_port_and_routing_follows_its_loops(context):
+    """router/port.py: ZmqRouter, RouterGroup and SimRouters implement one RouterPort (what the controller
+    uses; nothing probes them with getattr); a group routes while any member does."""
+    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.router.port import RouterPort
+    from exaserve_hpc.sim.routers import SimRouters
+    import yaml
+    from pathlib import Path
+    first, second = make_router(context), make_router(context)
+    group = RouterGroup([first, second])
+    site = parse_site(yaml.safe_load((Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml").read_text()))
+    sim = SimRouters(site, {"tiny-llama"}, clock=lambda: 0.0)
+    try:
+        for port in (first, group, sim):
+            assert isinstance(port, RouterPort), type(port)
+        assert group.backend_endpoints == [first.backend_endpoint, second.backend_endpoint]
+        assert first.backend_endpoints == [first.backend_endpoint] and group.routing()
+        first.stop()
+        assert not first.routing() and group.routing()  # the other member still routes
+        second.stop()
+        assert not group.routing()
+    finally:
+        for router in (first, second):
+            router.stop()

@@ -21,11 +21,12 @@ from exaserve_hpc.scheduler.failover import failover
 from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.placement import plan_site
 from exaserve_hpc.topology import topology_from_site
+from exaserve_hpc.router.port import RouterPortStub
 
 GiB = 1 << 30
 
 
-class StubRouter:
+class StubRouter(RouterPortStub):
     """What the controller reads of the router: endpoints, snapshot(), replica_lost(), drain()."""
     backend_endpoint = "tcp://127.0.0.1:1"
     frontend_endpoint = "tcp://127.0.0.1:2"

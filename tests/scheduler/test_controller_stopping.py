@@ -7,11 +7,12 @@ from __future__ import annotations
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StartReplica
 from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.router.port import RouterPortStub
 
 GiB = 1 << 30
 
 
-class StubRouter:
+class StubRouter(RouterPortStub):
     backend_endpoint = "tcp://127.0.0.1:1"
     frontend_endpoint = "tcp://127.0.0.1:2"
 

@@ -95,11 +95,12 @@ import yaml  # noqa: E402
 from exaserve_hpc.config import parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
 from exaserve_hpc.scheduler.controller import Controller  # noqa: E402
+from exaserve_hpc.router.port import RouterPortStub
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-class Router:
+class Router(RouterPortStub):
     """The controller's view of the router: replica_silent_s is the second channel."""
     backend_endpoint, frontend_endpoint = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 

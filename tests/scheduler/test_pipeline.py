@@ -10,11 +10,12 @@ from exaserve_hpc.protocol import (
 )
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.scheduler.pipeline import PipelineStages, stage_of, stage_process_id
+from exaserve_hpc.router.port import RouterPortStub
 
 GiB = 1 << 30
 
 
-class StubRouter:
+class StubRouter(RouterPortStub):
     backend_endpoint = "tcp://127.0.0.1:1"
     frontend_endpoint = "tcp://127.0.0.1:2"
 
