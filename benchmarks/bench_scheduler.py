@@ -31,25 +31,16 @@ from exaserve_hpc.scheduler.catalogue import catalogue_from_site  # noqa: E402
 from exaserve_hpc.scheduler.failover import failover, failover_fault_group  # noqa: E402
 from exaserve_hpc.scheduler.placement import plan_site  # noqa: E402
 from exaserve_hpc.topology import topology_from_site  # noqa: E402
+from exaserve_hpc.router.port import RouterPortStub
 
 TARGETS_S = {"full plan, 3072 replicas on 256 nodes": 0.5, "replan after one node loss": 0.020,
              "replan after one fault-group loss": 0.100, "autoscaler tick, 50 models": 0.005,
              "controller: 256 hellos, 3072 placed": 2.0, "controller: node loss re-placed": 0.200}
 
 
-class StubRouter:
-    """What the controller reads of the router; nothing routed (the benchmark times the controller)."""
-    backend_endpoint = "tcp://127.0.0.1:1"
-    frontend_endpoint = "tcp://127.0.0.1:2"
-
-    def snapshot(self) -> dict:
-        return {"replicas": []}
-
-    def replica_lost(self, replica_id: str, why: str) -> None:
-        pass
-
-    def drain(self, replica_id: str) -> None:
-        pass
+class StubRouter(RouterPortStub):
+    """What the controller reads of the router (router/port.py); nothing routed (the benchmark times the
+    controller)."""
 
 
 def held_site():
