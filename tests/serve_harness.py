@@ -12,6 +12,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a centre's copy of the sources holds: what `pip install SRC` builds from (no .venv, no build outputs)
+SOURCES = ("exaserve_hpc", "sbatch", "site-configs", "modules", "setup.py", "setup.cfg", "pyproject.toml",
+           "MANIFEST.in", "README.md")
+
+
+def copy_sources(dest: Path, *ignore: str) -> Path:
+    """Copy SOURCES from this checkout into `dest` (made), leaving out __pycache__ and the `ignore` patterns."""
+    import shutil
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", *ignore))
+        else:
+            shutil.copy(ROOT / name, dest / name)
+    return dest
 
 
 def write_local_site(tmp: Path, scheduler: dict | None = None, model: dict | None = None,

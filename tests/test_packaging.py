@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from serve_harness import write_local_site
+from serve_harness import copy_sources, write_local_site
 
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("exaserve_hpc", "sbatch", "site-configs", "modules", "setup.py", "setup.cfg", "pyproject.toml",
-           "MANIFEST.in", "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +27,7 @@ def installed(tmp_path_factory) -> Path:
     """A venv with exaserve-hpc built from a copy of the sources; its dependencies come from this test's
     environment through a plain path entry (not that environment's .pth files, so not its editable install)."""
     tmp = tmp_path_factory.mktemp("packaging")
-    src = tmp / "src"
-    src.mkdir()
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.conf", "data"))
-        else:
-            shutil.copy(ROOT / name, src / name)
+    src = copy_sources(tmp / "src", "*.conf", "data")
     venv = tmp / "venv"
     base = Path(sys.base_prefix) / "bin" / "python3"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,13 +16,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from serve_harness import copy_sources
+
 from .fleet import Job, remove_shared_dir, shared_dir, wait_serving
 
 pytestmark = [pytest.mark.slurm, pytest.mark.process]
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("exaserve_hpc", "sbatch", "site-configs", "modules", "setup.py", "setup.cfg", "pyproject.toml",
-           "MANIFEST.in", "README.md")
 NODES = 2
 
 
@@ -35,13 +34,7 @@ def test_the_readme_install_runs_slurm_local_by_name(slurm_cluster):
     directory = shared_dir("operator-install")
     job = None
     try:
-        src = directory / "src"  # the sources a centre would have (no .venv, no build outputs)
-        src.mkdir()
-        for name in SOURCES:
-            if (ROOT / name).is_dir():
-                shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
-            else:
-                shutil.copy(ROOT / name, src / name)
+        src = copy_sources(directory / "src", "*.so", "*.c")  # the sources a centre would have
         venv = directory / "exaserve"
         started = time.monotonic()
         made = subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", str(venv)],
