@@ -168,8 +168,8 @@ class AgentSupervisor:
 
     def _replace_replicas(self, process: subprocess.Popen, stale: dict, why: str) -> None:
         """Once the new agent has said hello, the controller restarts the old agent's replicas on it."""
-        from .protocol import ReplicaEvent
-        from .agent.lifecycle import ReplicaState
+        from exaserve_hpc.protocol import ReplicaEvent
+        from exaserve_hpc.agent.lifecycle import ReplicaState
         deadline = time.monotonic() + HELLO_WAIT
         while time.monotonic() < deadline and process.poll() is None and not self._stopping:
             with self.controller.fleet.lock:

@@ -67,7 +67,7 @@ def _mpi_comm():
 
 def detect_rank(env: Optional[Mapping[str, str]] = None, comm: Any = None) -> RankInfo:
     """MPI rank under MPI; the batch system's (jobenv/: SLURM_PROCID/SLURM_NTASKS) in a job; 0 of 1 otherwise."""
-    from .jobenv import detect_job_environment
+    from exaserve_hpc.jobenv import detect_job_environment
     return detect_job_environment(env).rank_info(comm)
 
 
@@ -83,7 +83,7 @@ class NodeInventory:
 
     @classmethod
     def probe(cls, rank: RankInfo) -> "NodeInventory":
-        from .agent.nvml_probe import host_memory, read_gpus
+        from exaserve_hpc.agent.nvml_probe import host_memory, read_gpus
         gpus, _ = read_gpus()
         return cls(rank=rank.rank, node=rank.node, hostname=socket.gethostname(), pid=os.getpid(), gpus=len(gpus),
                    gpu_names=[g.name for g in gpus], host_memory_total=host_memory()[0])
@@ -205,7 +205,7 @@ def install_block_hash_salt(jobdir: JobDir) -> bytes:
     """Key this process's block hashes (engines, the router's and gateway's prompt hashers) with the run's
     salt. Call it before any engine, router or gateway is made: replicas, router and gateway of one run must
     hash alike for precise prefix routing, and differently from every other run. Returns the salt."""
-    from .engine.block_manager import set_block_hash_salt
+    from exaserve_hpc.engine.block_manager import set_block_hash_salt
     salt = run_salt(jobdir)
     set_block_hash_salt(salt)
     return salt

@@ -17,8 +17,8 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-from .config import ConfigError, load_site, resolve_site
+from exaserve_hpc import __version__
+from exaserve_hpc.config import ConfigError, load_site, resolve_site
 
 # Piped output (scripts, logs) gets wide tables rather than truncated cells.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -33,7 +33,7 @@ def _load(site_arg: Optional[str]):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import ServeError, ServeOptions, serve
+    from exaserve_hpc.serve import ServeError, ServeOptions, serve
 
     site = _load(args.site)
     options = ServeOptions(host=args.host, port=args.port, run_dir=Path(args.run_dir) if args.run_dir else None)
@@ -60,11 +60,11 @@ def running_server_url(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .router.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
+    from exaserve_hpc.router.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
     url = running_server_url(args)
     status_request = urllib.request.Request(f"{url}/v1/exaserve/status", headers=admin_headers(args))
     if args.watch:  # a live view (observability/watch.py)
-        from .observability.watch import watch
+        from exaserve_hpc.observability.watch import watch
 
         def fetch() -> dict:
             with urllib.request.urlopen(status_request, timeout=args.timeout) as response:
@@ -164,7 +164,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             err.print(str(exc), highlight=False, markup=False)
             failed += 1
             continue
-        from .quota.keys import key_file_problems
+        from exaserve_hpc.quota.keys import key_file_problems
         if problems := key_file_problems(site):
             for problem in problems:
                 err.print(f"{name}: {problem}", highlight=False, markup=False)
@@ -173,11 +173,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         replicas = sum(site.initial_replicas(m) for m in site.models)
         out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
                   f"{replicas} replica(s))", highlight=False)
-        from .quota.keys import plaintext_warnings
+        from exaserve_hpc.quota.keys import plaintext_warnings
         for warning in site.engine_warnings() + plaintext_warnings(site):
             err.print(f"{name}: warning: {warning}", highlight=False, markup=False)
         if args.accounts:  # quota groups' Slurm accounts exist and this user may charge them (sacctmgr)
-            from .quota.accounts import AccountError, check_accounts
+            from exaserve_hpc.quota.accounts import AccountError, check_accounts
             try:
                 check_accounts(site, user=os.environ.get("USER") or None)
             except AccountError as exc:
@@ -199,7 +199,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_model_create_tiny(args: argparse.Namespace) -> int:
-    from .cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
+    from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
 
     spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                          intermediate=args.intermediate, max_position=args.max_position, seed=args.seed,
@@ -210,7 +210,7 @@ def cmd_model_create_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_model_verify(args: argparse.Namespace) -> int:
-    from .cache.checkpoint import CheckpointError, verify_checkpoint
+    from exaserve_hpc.cache.checkpoint import CheckpointError, verify_checkpoint
 
     try:
         verify_checkpoint(Path(args.dir))
@@ -230,9 +230,9 @@ def cmd_model_import(args: argparse.Namespace) -> int:
         BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
     )
 
-    from .cache.manifest import MANIFEST_FILE, CheckpointError
-    from .cache.model_import import import_model
-    from .units import format_size
+    from exaserve_hpc.cache.manifest import MANIFEST_FILE, CheckpointError
+    from exaserve_hpc.cache.model_import import import_model
+    from exaserve_hpc.units import format_size
 
     store = Path(args.store).expanduser() if args.store else _load(args.site).weight_cache.l3_dir
     started = time.monotonic()
@@ -279,12 +279,12 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .sim.run import cmd_simulate as run
+    from exaserve_hpc.sim.run import cmd_simulate as run
     return run(args, _load(args.site), err)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from .sim.capacity_check import cmd_capacity as run
+    from exaserve_hpc.sim.capacity_check import cmd_capacity as run
     return run(args, _load(args.site), out)
 
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_config_show)
 
     try:
-        from .scheduler.plan_report import add_plan_arguments, cmd_plan
+        from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
     except ImportError:
         pass
     else:
@@ -341,18 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser("simulate", help="simulate a workload on a site: the real controller and router "
                                                     "in simulated time, with faults; report with plots")
-    from .sim.run import add_simulate_arguments
+    from exaserve_hpc.sim.run import add_simulate_arguments
     add_simulate_arguments(simulate, site_help)
     simulate.set_defaults(func=cmd_simulate)
     capacity = commands.add_parser("capacity", help="replicas per model for a workload's request rate and mix "
                                                     "(30%% headroom), checked by the simulator")
-    from .sim.capacity_check import add_capacity_arguments
+    from exaserve_hpc.sim.capacity_check import add_capacity_arguments
     add_capacity_arguments(capacity, site_help)
     capacity.set_defaults(func=cmd_capacity)
 
-    from .router.admin_api import add_rollout_arguments, cmd_rollout
-    from .launcher.rank import add_launch_arguments, cmd_launch
-    from .slurm.submit import add_submit_arguments, cmd_submit
+    from exaserve_hpc.router.admin_api import add_rollout_arguments, cmd_rollout
+    from exaserve_hpc.launcher.rank import add_launch_arguments, cmd_launch
+    from exaserve_hpc.slurm.submit import add_submit_arguments, cmd_submit
 
     submit = commands.add_parser("submit", help="render the sbatch script from a site config and submit it")
     add_submit_arguments(submit)
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(launch)
     launch.set_defaults(func=cmd_launch)
 
-    from .modulefiles import add_modules_arguments
+    from exaserve_hpc.modulefiles import add_modules_arguments
     modules = commands.add_parser("modules", help="publish this install as an environment module (Lmod or Tcl)")
     add_modules_arguments(modules)
 
@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=cmd_rollout)
 
-    from .quota.cli import add_keys_arguments, add_usage_arguments
+    from exaserve_hpc.quota.cli import add_keys_arguments, add_usage_arguments
     keys = commands.add_parser("keys", help="API keys of quota groups (stored hashed)")
     add_keys_arguments(keys, site_help)
     usage = commands.add_parser("usage", help="tokens, GPU-seconds and requests from the usage ledger, per "
@@ -409,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ["EXASERVE_LOG_LEVEL"] = args.log_level  # children (agent, replicas) inherit it
     os.environ["EXASERVE_LOG_FORMAT"] = args.log_format
-    from .observability.logs import configure_logging
+    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)

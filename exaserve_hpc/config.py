@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine.registry import ENGINE_NAMES, engine_publishes_kv_events, engine_spec, unavailable_engines
-from .router.policies import POLICY_NAMES
-from .config_bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
-from .slurm.hostlist import expand_hostlist
-from .units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
+from exaserve_hpc.engine.registry import ENGINE_NAMES, engine_publishes_kv_events, engine_spec, unavailable_engines
+from exaserve_hpc.router.policies import POLICY_NAMES
+from exaserve_hpc.config_bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
+from exaserve_hpc.slurm.hostlist import expand_hostlist
+from exaserve_hpc.units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
 
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description=DURATION_FORMS)]
 # an interval or timeout where zero makes no sense (a busy loop, or nothing ever waited for)
@@ -387,7 +387,7 @@ class HaConfig(_Section):
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> "HaConfig":
-        from .ha.lease_policy import lease_problems
+        from exaserve_hpc.ha.lease_policy import lease_problems
         problems = lease_problems(self.lease_ttl, self.renew_interval)
         if problems:
             raise ValueError("; ".join(problems))
@@ -509,7 +509,7 @@ class SiteConfig(_Section):
             warnings.append(problem)
         if self.ha.etcd is not None and self.ha.etcd.members:
             import shutil
-            from .ha.etcd_member import ETCD_BINARY
+            from exaserve_hpc.ha.etcd_member import ETCD_BINARY
             if shutil.which(ETCD_BINARY) is None:
                 warnings.append(f"ha.etcd.members: {self.ha.etcd.members} etcd members start on the job's first ranks, "
                                 f"which need the `{ETCD_BINARY}` binary on PATH there; not found here (Debian: "
@@ -701,7 +701,7 @@ def site_search_path() -> list[Path]:
     dirs = []
     if os.environ.get("EXASERVE_SITE_DIR"):
         dirs.append(Path(os.environ["EXASERVE_SITE_DIR"]))
-    from .resources import data_path
+    from exaserve_hpc.resources import data_path
     dirs.append(data_path("site-configs"))  # the source checkout's, or the installed package's copy
     dirs.append(Path(sys.prefix) / "share" / "exaserve" / "site-configs")  # installed data files
     return dirs

@@ -42,14 +42,14 @@ from typing import Any, Callable, Optional
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from . import metrics
-from .agent import faults
-from .addresses import AddressError, http_url, resolve_listen
-from .config import SiteConfig
-from .control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
+from exaserve_hpc import metrics
+from exaserve_hpc.agent import faults
+from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
     STOP_SIGNALS, ControlPlaneError, gateway_server, listen_socket, plane_gateway_app, plane_routers)
-from .controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
-from .state_keeper import StateKeeper
+from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+from exaserve_hpc.state_keeper import StateKeeper
 
 log = logging.getLogger("exaserve.control")
 console = Console(stderr=True)
@@ -58,8 +58,8 @@ ServeError = ControlPlaneError  # the name `exaserve serve` used
 
 def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
     """Create missing tiny checkpoints (with a progress bar); refuse a missing real one."""
-    from .cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
-    from .engine.registry import engine_spec
+    from exaserve_hpc.cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
+    from exaserve_hpc.engine.registry import engine_spec
 
     for model in site.models:
         engine = engine_spec(model.engine)
@@ -92,7 +92,7 @@ def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfi
                         env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """This node's agent as a child process (`exaserve serve`): it dies with us. `env` is added to ours
     (CURVE_JOB_DIR_VARIABLE: where it and its replicas read the run's keys)."""
-    from .agent.node_agent import default_l2_root
+    from exaserve_hpc.agent.node_agent import default_l2_root
     command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
                "--agent-id", agent_id, "--heartbeat", str(site.heartbeat.interval), "--die-with-parent",
                "--controller-timeout", str(site.heartbeat.controller_timeout),
@@ -174,7 +174,7 @@ class ControlPlane:
     # ---------------------------------------------------------------- building
 
     def _build(self) -> None:
-        from .scheduler.controller import Controller
+        from exaserve_hpc.scheduler.controller import Controller
 
         site, s = self.site, self.settings
         ensure_checkpoints(site, show_progress=s.show_progress)
@@ -250,7 +250,7 @@ class ControlPlane:
             return
         endpoint = self.controller.endpoint
         if not s.agent_in_thread:  # restarted when it dies on its own (agent_supervisor.py)
-            from .agent_supervisor import AgentSupervisor
+            from exaserve_hpc.agent_supervisor import AgentSupervisor
             self.agent_supervisor = AgentSupervisor(
                 lambda: start_agent_process(endpoint, s.node, site, env=s.replica_env), self.controller, s.node,
                 on_give_up=self._agent_gave_up)
@@ -258,9 +258,9 @@ class ControlPlane:
             self._closers.append(self.agent_supervisor.kill)
             self.controller.process_check = self.agent_supervisor.check  # liveness: the child checked directly
             return
-        from .agent.gpu_binding import GpuGrantError
-        from .agent.node_agent import NodeAgent, default_l2_root
-        from .bootstrap import secure_client
+        from exaserve_hpc.agent.gpu_binding import GpuGrantError
+        from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
+        from exaserve_hpc.bootstrap import secure_client
         try:
             agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
                               l2_capacity=site.weight_cache.l2_capacity,
@@ -286,9 +286,9 @@ class ControlPlane:
             self.request_stop(why)
 
     def _app(self):
-        from .router.admin_api import admin_key_for
+        from exaserve_hpc.router.admin_api import admin_key_for
         self._admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
-        from .quota.ledger import UsageLedger, ledger_dir
+        from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
         # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
         # successor that replaces it with the lost nodes excluded, appends to the same ledger.
         ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
@@ -297,7 +297,7 @@ class ControlPlane:
         self._ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
         self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(self._ledger.close)
-        from .several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
+        from exaserve_hpc.several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
         self._admission = (self.settings.local_admission if self.settings.local_admission is not None else
                            gateway_admission(self.site, self._ledger, self.settings.across_nodes))
         return self._gateway_app(self.router.frontend_endpoint)
@@ -368,7 +368,7 @@ class ControlPlane:
         late = faults.delay("gateway_late")
         if late:  # a test's window between serve.json and the gateway's own signal handlers
             time.sleep(late)
-        from .router.http_limits import HttpLimits
+        from exaserve_hpc.router.http_limits import HttpLimits
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      grace=self.site.gateway.stop_grace, limits=HttpLimits.from_site(self.site),

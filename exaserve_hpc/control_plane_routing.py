@@ -18,9 +18,9 @@ import signal
 import time
 from typing import Callable
 
-from .config import SiteConfig
-from .router.breaker import BreakerSettings
-from .router.dispatch import Dispatcher, DispatchSettings
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.router.breaker import BreakerSettings
+from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -31,7 +31,7 @@ class ControlPlaneError(Exception):
 
 def router_policy(site: SiteConfig):
     """The routing policy the site's router section asks for, with its settings (router/policies.py)."""
-    from .router.policies import policy_for_site
+    from exaserve_hpc.router.policies import policy_for_site
     return policy_for_site(site.router, site.batching)
 
 
@@ -46,7 +46,7 @@ def dispatch_settings(site: SiteConfig) -> DispatchSettings:
 
 def make_router(site: SiteConfig, bind: str, frontend_port: int, backend_port: int, curve=None):
     """A started router (its own dispatcher) on `bind`; a port it cannot take is a ControlPlaneError."""
-    from .router.zmq_router import ZmqRouter
+    from exaserve_hpc.router.zmq_router import ZmqRouter
     dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
     try:
         return ZmqRouter(dispatcher, bind, frontend_port, backend_port, curve=curve).start()
@@ -68,7 +68,7 @@ def plane_routers(site: SiteConfig, settings, router_bind: str, closers: list[Ca
         closers.append(router.stop)
     if site.router.count == 1:
         return router, None
-    from .several_routers import SeveralRouters  # several routers sharing the fleet (several_routers.py)
+    from exaserve_hpc.several_routers import SeveralRouters  # several routers sharing the fleet (several_routers.py)
     routers = SeveralRouters(site, router, router_bind, settings,
                              lambda fp, bp: make_router(site, router_bind, fp, bp, settings.curve))
     closers.append(routers.stop)
@@ -79,10 +79,10 @@ def plane_gateway_app(site: SiteConfig, frontend: str, controller, router, gatew
                       admin_key, ledger, admission):
     """A gateway app over the router at `frontend` (router 0's; serve's other gateways, their router's), with
     the admin routes over `router` (router 0 or the group) and the controller."""
-    from .router.admin_api import serving_admin_routes
-    from .router.backend import ModelInfo
-    from .router.client import RouterClient
-    from .router.gateway import create_app
+    from exaserve_hpc.router.admin_api import serving_admin_routes
+    from exaserve_hpc.router.backend import ModelInfo
+    from exaserve_hpc.router.client import RouterClient
+    from exaserve_hpc.router.gateway import create_app
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(frontend, models, status=controller.status,
@@ -102,7 +102,7 @@ def fleet_can_serve(controller) -> bool:
     fleet = getattr(controller, "fleet", None)
     if agents is None or fleet is None:  # a controller without the fleet's tables (a test's stand-in)
         return True
-    from .agent.lifecycle import ReplicaState
+    from exaserve_hpc.agent.lifecycle import ReplicaState
     with fleet.lock:
         for record in controller.replicas.values():
             if record.state is not ReplicaState.SERVING:
@@ -150,7 +150,7 @@ def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, *, 
     import threading
 
     import uvicorn
-    from .router.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
+    from exaserve_hpc.router.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
 
     raise_fd_limit()
     limits = limits or HttpLimits()

@@ -219,4 +219,4 @@ def watch_fleet(controller, router, keeper=None) -> None:
 
 # The fleet's per-replica, per-node and cluster figures, read at scrape time (observability/collector.py).
 # Not on REGISTRY: render() writes them with the collector's own, faster text writer.
-from .observability.collector import FLEET  # noqa: E402 - it imports this module's counters lazily
+from exaserve_hpc.observability.collector import FLEET  # noqa: E402 - it imports this module's counters lazily

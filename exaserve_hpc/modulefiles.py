@@ -14,9 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import __version__
-from .config import load_site, resolve_site
-from .resources import data_path
+from exaserve_hpc import __version__
+from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.resources import data_path
 
 
 def write_modulefiles(target: Path, site_file: Path, prefix: Path) -> list[Path]:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, install_block_hash_salt, make_curve_keys
-from .config import SiteConfig
-from .control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
+from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, install_block_hash_salt, make_curve_keys
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 
 ServeError = ControlPlaneError
 
@@ -78,7 +78,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     # Whatever this server, its agent and replicas create (KV snapshots, L2 files, tiny checkpoints, logs)
     # is the user's own: 0700 directories, 0600 files (issue 13 item 14).
     os.umask(0o077)
-    from .quota.keys import key_file_problems
+    from exaserve_hpc.quota.keys import key_file_problems
     if problems := key_file_problems(site):  # before the run directory exists: nothing is left behind
         raise ServeError("; ".join(problems))
     run_dir = private_run_dir(options.run_dir or site.run_path)
@@ -86,7 +86,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     install_block_hash_salt(run_dir)  # made with the keys: this run's router and gateway hash as its replicas do
     # The run's identity in its L2 directory (agent/node_agent.py default_l2_root; the agent inherits it): two
     # servers of this user never share, adopt or clear each other's L2 files; a restart finds its own.
-    from .agent.node_agent import L2_RUN_VARIABLE
+    from exaserve_hpc.agent.node_agent import L2_RUN_VARIABLE
     os.environ[L2_RUN_VARIABLE] = l2_run(run_dir.path)
     plane = ControlPlane(site, PlaneSettings(
         node=site.cluster.hostnames()[0], state_dir=run_dir.path, host=options.host, port=options.port,

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .controller_state import ControllerState, save_state, state_from_status
+from exaserve_hpc.controller_state import ControllerState, save_state, state_from_status
 
 log = logging.getLogger("exaserve.state")
 

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .config import ClusterConfig, SiteConfig
-from .units import parse_size
+from exaserve_hpc.config import ClusterConfig, SiteConfig
+from exaserve_hpc.units import parse_size
 
 DEFAULT_HOST_MEMORY = 64 * 2**30  # CPU node memory when neither the config nor the inventory says
 SAME_GROUP_US = 2.0  # one switch hop

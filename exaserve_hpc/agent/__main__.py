@@ -1,4 +1,4 @@
-from .node_agent import main
+from exaserve_hpc.agent.node_agent import main
 import sys
 
 sys.exit(main())

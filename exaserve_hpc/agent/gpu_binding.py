@@ -33,9 +33,9 @@ from typing import Optional
 
 import msgspec
 
-from ..protocol import GpuInfo
-from .memory_pool import MemoryPool
-from .nvml_probe import NvmlDevice, host_memory, read_devices
+from exaserve_hpc.protocol import GpuInfo
+from exaserve_hpc.agent.memory_pool import MemoryPool
+from exaserve_hpc.agent.nvml_probe import NvmlDevice, host_memory, read_devices
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol import LoadFailed
+from exaserve_hpc.protocol import LoadFailed
 
 NODE_LOCAL_REASONS = ("load_timeout", "io", "l2_full")
 

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..protocol import MemoryPoolStatus
-from ..units import format_size
+from exaserve_hpc.protocol import MemoryPoolStatus
+from exaserve_hpc.units import format_size
 
 DEFAULT_BLOCK_SIZE = 64 << 20
 

@@ -34,23 +34,23 @@ from typing import Optional
 import msgspec
 import zmq
 
-from ..cache.checkpoint import CheckpointError
-from ..cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
-from ..engine.registry import ENGINES
-from ..ha.adoption import backends, must_restart
-from ..protocol import (
+from exaserve_hpc.cache.checkpoint import CheckpointError
+from exaserve_hpc.cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
+from exaserve_hpc.engine.registry import ENGINES
+from exaserve_hpc.ha.adoption import backends, must_restart
+from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
     StopReplica, encode, receive_pending,
 )
-from ..units import format_size, parse_size
-from . import faults
-from .lifecycle import Lifecycle, ReplicaState
-from .gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
-from .memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
-from .nvml_probe import host_memory, read_gpus
-from .replica_main import die_with_parent
-from .replica_process import ReplicaSlot, parse_status_line, replica_env, replica_threads, spawn, usable_cores
-from .weight_loader import PREFETCH, FillResult, WeightLoader
+from exaserve_hpc.units import format_size, parse_size
+from exaserve_hpc.agent import faults
+from exaserve_hpc.agent.lifecycle import Lifecycle, ReplicaState
+from exaserve_hpc.agent.gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
+from exaserve_hpc.agent.memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
+from exaserve_hpc.agent.nvml_probe import host_memory, read_gpus
+from exaserve_hpc.agent.replica_main import die_with_parent
+from exaserve_hpc.agent.replica_process import ReplicaSlot, parse_status_line, replica_env, replica_threads, spawn, usable_cores
+from exaserve_hpc.agent.weight_loader import PREFETCH, FillResult, WeightLoader
 
 log = logging.getLogger("exaserve.agent")
 
@@ -559,7 +559,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
                         help="the memory pool's block size")
     args = parser.parse_args(argv)
-    from ..observability.logs import configure_logging
+    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(text_format="%(asctime)s agent %(levelname)s %(message)s", role="agent")  # EXASERVE_LOG_*
     if args.die_with_parent:
         die_with_parent()
@@ -571,7 +571,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GpuGrantError as exc:
         print(f"exaserve-agent: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_GRANT
-    from ..bootstrap import replica_client_keys, secure_client
+    from exaserve_hpc.bootstrap import replica_client_keys, secure_client
     keys = replica_client_keys(os.environ)  # `exaserve serve` names its run directory: the controller is CURVE
     if keys is not None:
         secure_client(agent.socket, keys)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from ..protocol import GpuInfo
+from exaserve_hpc.protocol import GpuInfo
 
 log = logging.getLogger(__name__)
 

@@ -38,18 +38,18 @@ from typing import Optional
 
 import zmq
 
-from ..protocol import (
+from exaserve_hpc.protocol import (
     Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
     StartReplica, TokenChunk, decode,
 )
-from ..bootstrap import replica_client_keys, replica_kv_event_keys
-from ..engine.kv_events import secure_publishers
-from ..cache.tiers import load_weights
-from ..engine.base import EngineError
-from ..engine.registry import build_engine, engine_spec
-from . import faults, pipeline_stage
-from .lifecycle import ReplicaState
-from .router_links import RouterLinks
+from exaserve_hpc.bootstrap import replica_client_keys, replica_kv_event_keys
+from exaserve_hpc.engine.kv_events import secure_publishers
+from exaserve_hpc.cache.tiers import load_weights
+from exaserve_hpc.engine.base import EngineError
+from exaserve_hpc.engine.registry import build_engine, engine_spec
+from exaserve_hpc.agent import faults, pipeline_stage
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.agent.router_links import RouterLinks
 
 log = logging.getLogger("exaserve.replica")
 _INJECTABLE = (ReplicaState.LOADING, ReplicaState.INITIALIZING, ReplicaState.WARMING, ReplicaState.REGISTERING,
@@ -130,7 +130,7 @@ def kv_events_announced(bound: str) -> str:
 
 def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
     """Warm the prefix cache from spec.kv_snapshot_in; blocks installed (0 if refused)."""
-    from ..engine.kv_snapshot import KVSnapshotError, load_kv_snapshot
+    from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, load_kv_snapshot
     started = time.monotonic()
     try:
         n = load_kv_snapshot(engine, spec.kv_snapshot_in)
@@ -147,7 +147,7 @@ def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
 
 def write_kv_snapshot_out(spec: StartReplica, engine) -> int:
     """Write the hottest prefix blocks to spec.kv_snapshot_out; blocks written (0 if it failed)."""
-    from ..engine.kv_snapshot import KVSnapshotError, write_kv_snapshot
+    from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, write_kv_snapshot
     started = time.monotonic()
     limit = spec.kv_snapshot_max_blocks or getattr(getattr(engine, "blocks", None), "num_blocks", 0)
     try:
@@ -275,7 +275,7 @@ class ReplicaServer:
                 self.request_drain(message.timeout)
 
     def _admit(self, request: GenerateRequest) -> None:
-        from ..engine.base import EngineRequest
+        from exaserve_hpc.engine.base import EngineRequest
         if self.draining:
             self._send(RequestError(request_id=request.request_id, status=503, code="draining",
                                     message=f"replica {self.spec.replica_id} is draining", retry_after=0.1))
@@ -351,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--weights-dir", help="L2 entry (or L3 checkpoint) to load; default: the spec's model_dir")
     parser.add_argument("--weights-source", choices=("l2", "l3"), default="l3")
     args = parser.parse_args(argv)
-    from ..observability.logs import configure_logging
+    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(text_format="%(asctime)s replica %(levelname)s %(message)s", role="replica")  # EXASERVE_LOG_*
     die_with_parent()
     spec = decode(bytes.fromhex(args.spec))

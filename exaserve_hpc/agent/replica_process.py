@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional, Union
 
-from .gpu_binding import ReplicaBinding
-from .memory_pool import Reservation
-from ..engine.registry import ENGINES
-from ..protocol import ReplicaStatus, StartReplica, encode
-from .lifecycle import Lifecycle, ReplicaState
+from exaserve_hpc.agent.gpu_binding import ReplicaBinding
+from exaserve_hpc.agent.memory_pool import Reservation
+from exaserve_hpc.engine.registry import ENGINES
+from exaserve_hpc.protocol import ReplicaStatus, StartReplica, encode
+from exaserve_hpc.agent.lifecycle import Lifecycle, ReplicaState
 
 
 @dataclass

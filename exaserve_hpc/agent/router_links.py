@@ -34,7 +34,7 @@ from typing import Iterator, Optional
 
 import zmq
 
-from ..protocol import (
+from exaserve_hpc.protocol import (
     Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, Routers, SayHello, TokenChunk,
     TokenChunks, decode, encode,
 )
@@ -69,7 +69,7 @@ class RouterLinks:
         return len(self.sockets) > 1
 
     def _open(self, endpoint: str) -> int:
-        from ..bootstrap import secure_client
+        from exaserve_hpc.bootstrap import secure_client
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 2000)

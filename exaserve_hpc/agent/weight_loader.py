@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..cache.checkpoint import CheckpointError, ChecksumError
-from ..cache.l2_shm import READY, L2Cache, L2Full, entry_key
-from ..cache.l3_store import LoadCancelled, copy_verified, read_manifest
-from . import faults
+from exaserve_hpc.cache.checkpoint import CheckpointError, ChecksumError
+from exaserve_hpc.cache.l2_shm import READY, L2Cache, L2Full, entry_key
+from exaserve_hpc.cache.l3_store import LoadCancelled, copy_verified, read_manifest
+from exaserve_hpc.agent import faults
 
 PREFETCH = ""  # the holder name of a prefetch (no replica waits)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import CheckpointError
+from exaserve_hpc.cache.manifest import CheckpointError
 
 HF_FORMAT = "hf"  # the internal config's "format" for a checkpoint read from Hugging Face layout
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -22,8 +22,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..protocol import L2EntryStatus, L2Status
-from ..units import format_size
+from exaserve_hpc.protocol import L2EntryStatus, L2Status
+from exaserve_hpc.units import format_size
 
 READY, FILLING = "ready", "filling"
 _MARKER = ".exaserve-l2.json"

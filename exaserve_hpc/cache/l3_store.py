@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .manifest import (
+from exaserve_hpc.cache.manifest import (
     MANIFEST_FILE, CheckpointError, ChecksumError, compare_digests, new_hash, parse_manifest, read_digests,
 )
 

@@ -51,9 +51,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import CONFIG_FILE, SHARD_RE
-from .hf_format import HF_MODEL_TYPES, INDEX_FILE, SINGLE_FILE
-from .manifest import (
+from exaserve_hpc.cache.checkpoint import CONFIG_FILE, SHARD_RE
+from exaserve_hpc.cache.hf_format import HF_MODEL_TYPES, INDEX_FILE, SINGLE_FILE
+from exaserve_hpc.cache.manifest import (
     ALL_DIGESTS, MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, Progress, fsync_dir, new_hash,
     parse_manifest, write_synced,
 )

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol import L2Status
-from .l2_shm import READY, L2Entry, L2Full, choose_victims
+from exaserve_hpc.protocol import L2Status
+from exaserve_hpc.cache.l2_shm import READY, L2Entry, L2Full, choose_victims
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (
+from exaserve_hpc.cache.checkpoint import (
     CONFIG_FILE, CheckpointError, check_weights, internal_weights, load_checkpoint, parse_config, weight_files,
 )
-from .hf_format import safetensors_dtype
+from exaserve_hpc.cache.hf_format import safetensors_dtype
 
 Progress = Callable[[int, int], None]
 def shard_names(entry_dir: Path, config: dict | None = None) -> list[str]:

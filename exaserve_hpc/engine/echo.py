@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from .base import EngineError, EngineRequest, StepOutput
-from .tokenizer import BOS, EOS
+from exaserve_hpc.engine.base import EngineError, EngineRequest, StepOutput
+from exaserve_hpc.engine.tokenizer import BOS, EOS
 
 
 class EchoEngine:

@@ -27,9 +27,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .kv_cache import DecodeBatchKV, PagedKVCache
-from .model import LlamaModel
-from .stage_link import LinkError, StageLink
+from exaserve_hpc.engine.kv_cache import DecodeBatchKV, PagedKVCache
+from exaserve_hpc.engine.model import LlamaModel
+from exaserve_hpc.engine.stage_link import LinkError, StageLink
 
 log = logging.getLogger("exaserve.pipeline")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from ..protocol import StartReplica
-    from .base import Engine
+    from exaserve_hpc.protocol import StartReplica
+    from exaserve_hpc.engine.base import Engine
 
 RUNTIME_OVERHEAD = 0.25  # a checkpoint's bytes x 1.25 when the controller gives no figure (KV cache, activations)
 
@@ -67,7 +67,7 @@ class EngineSpec:
         """Bytes per device to reserve when the controller did not say: the checkpoint plus overhead."""
         if not self.needs_weights:
             return 0
-        from ..cache.l3_store import manifest_bytes
+        from exaserve_hpc.cache.l3_store import manifest_bytes
         return int(manifest_bytes(replica.model_dir) * (1 + RUNTIME_OVERHEAD) / max(1, replica.devices))
 
 
@@ -101,14 +101,14 @@ def _batching(replica: "StartReplica", **extra) -> dict[str, Any]:
 
 
 def _build_echo(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from .echo import EchoEngine
+    from exaserve_hpc.engine.echo import EchoEngine
     s = replica.settings
     return EchoEngine(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
                       **_options(replica, integers=("tokens_per_step",), floats=("step_delay",)))
 
 
 def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from .reference import ReferenceEngine
+    from exaserve_hpc.engine.reference import ReferenceEngine
     kwargs = _batching(replica, **_options(replica, integers=KV_OPTIONS), **extra)
     if isinstance(weights, tuple):
         return ReferenceEngine.from_weights(*weights, **kwargs)
@@ -116,7 +116,7 @@ def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Eng
 
 
 def _build_timing(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from .timing import TimingEngine
+    from exaserve_hpc.engine.timing import TimingEngine
     return TimingEngine(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
 
 
@@ -126,7 +126,7 @@ def reserved_bytes_per_device(replica: "StartReplica") -> int:
     the agent reserved for it (the figure rounded up to the pool's blocks, in the replica's environment,
     agent/replica_process.py), or the figure itself."""
     import os
-    from .trtllm_backend import RESERVED_ENV
+    from exaserve_hpc.engine.trtllm_backend import RESERVED_ENV
     if not replica.memory_bytes:
         return 0
     try:
@@ -136,7 +136,7 @@ def reserved_bytes_per_device(replica: "StartReplica") -> int:
 
 
 def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from .trtllm_backend import TrtLlmEngine
+    from exaserve_hpc.engine.trtllm_backend import TrtLlmEngine
     s = replica.settings
     options = _options(replica, integers=("block_size", "pipeline_parallel_size"), floats=("gpu_memory_utilization",))
     devices, pp = max(1, replica.devices), options.get("pipeline_parallel_size", 1)
@@ -198,7 +198,7 @@ def build_engine(replica: "StartReplica", weights: Weights = None, **extra) -> "
 
     ``extra``: keywords the replica adds for engines that take them (``kv_events_endpoint``).
     """
-    from .base import EngineError
+    from exaserve_hpc.engine.base import EngineError
     spec = engine_spec(replica.settings.engine)
     if not spec.available():
         raise EngineError(spec.missing_package_message() + "; or choose another engine for this model")
@@ -218,7 +218,7 @@ def unavailable_engines(engines: list[str]) -> dict[str, str]:
 def engine_settings(site, model):
     """The EngineSettings a replica of ``model`` gets (config.SiteConfig, config.ModelConfig): the site's
     batching, the model's limits, and the options the site gives its engine."""
-    from ..protocol import EngineSettings
+    from exaserve_hpc.protocol import EngineSettings
     b = site.batching
     return EngineSettings(
         engine=model.engine, max_batch_size=site.max_batch_size(model), max_seq_len=model.max_seq_len,

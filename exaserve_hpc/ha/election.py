@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .. import metrics
-from .etcd_client import EtcdClient, EtcdUnavailable, KeyValue
-from .lease_policy import LeaderAction, LeaseTiming, act_deadline, leader_decision, seconds_left
+from exaserve_hpc import metrics
+from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable, KeyValue
+from exaserve_hpc.ha.lease_policy import LeaderAction, LeaseTiming, act_deadline, leader_decision, seconds_left
 
 log = logging.getLogger("exaserve.ha")
 

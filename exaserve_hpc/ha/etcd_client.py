@@ -29,8 +29,8 @@ import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw import exceptions as etcd_exceptions
 
-from .. import metrics
-from .etcd_tls import TlsFiles
+from exaserve_hpc import metrics
+from exaserve_hpc.ha.etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
 

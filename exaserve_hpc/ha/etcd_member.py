@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..addresses import host_literal
-from .etcd_client import EtcdClient
-from .etcd_tls import TlsFiles
+from exaserve_hpc.addresses import host_literal
+from exaserve_hpc.ha.etcd_client import EtcdClient
+from exaserve_hpc.ha.etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
 

@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ..controller_state import ControllerState, RolloutState
-from .election import Deposed, Election
-from .etcd_client import EtcdClient, EtcdUnavailable
+from exaserve_hpc.controller_state import ControllerState, RolloutState
+from exaserve_hpc.ha.election import Deposed, Election
+from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 
 log = logging.getLogger("exaserve.ha")
 

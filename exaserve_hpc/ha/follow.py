@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Optional
 
-from ..bootstrap import ControllerInfo, JobDir, RankInfo, load_client_keys
+from exaserve_hpc.bootstrap import ControllerInfo, JobDir, RankInfo, load_client_keys
 
 log = logging.getLogger("exaserve.ha")
 

@@ -30,21 +30,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..addresses import AddressError, resolve_listen
-from ..bootstrap import (
+from exaserve_hpc.addresses import AddressError, resolve_listen
+from exaserve_hpc.bootstrap import (
     CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, CurveKeys, JobDir, NodeInventory, RankInfo,
     curve_available, install_block_hash_salt, make_curve_keys, publish_controller,
 )
-from ..config import SiteConfig
-from ..jobenv import JobEnvironment
-from .adoption import former_leaders
-from .election import Deposed, Election
-from .etcd_client import EtcdClient, EtcdUnavailable
-from .etcd_member import EtcdMember, EtcdMemberError, MemberSpec
-from .etcd_tls import TlsError, TlsFiles, ensure_ca, issue
-from .fleet_store import FleetStateWriter, read_state
-from .follow import LeaderFollower, current_controller, failed_start
-from .lease_policy import LeaseTiming
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.jobenv import JobEnvironment
+from exaserve_hpc.ha.adoption import former_leaders
+from exaserve_hpc.ha.election import Deposed, Election
+from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
+from exaserve_hpc.ha.etcd_member import EtcdMember, EtcdMemberError, MemberSpec
+from exaserve_hpc.ha.etcd_tls import TlsError, TlsFiles, ensure_ca, issue
+from exaserve_hpc.ha.fleet_store import FleetStateWriter, read_state
+from exaserve_hpc.ha.follow import LeaderFollower, current_controller, failed_start
+from exaserve_hpc.ha.lease_policy import LeaseTiming
 
 log = logging.getLogger("exaserve.ha")
 
@@ -163,7 +163,7 @@ class Candidate:
     # ---------------------------------------------------------------- agent
 
     def ensure_agent(self, info: ControllerInfo) -> None:
-        from ..launcher.rank import build_agent
+        from exaserve_hpc.launcher.rank import build_agent
         if self.agent is not None:
             return
         self.agent = build_agent(info, self.site, self.rank, self.jobdir)
@@ -176,7 +176,7 @@ class Candidate:
         """Router k and gateway k (router.count > 1, rank k < N), registered before this rank's agent
         connects (placement waits for every agent, so the leader knows every router before replicas start).
         Started once: a leader uses it as its local router; losing or winning the lead leaves it serving."""
-        from ..launcher.router_rank import RankRouter
+        from exaserve_hpc.launcher.router_rank import RankRouter
         if self.rank_router is None and self.site.router.count > 1 and self.rank.rank < self.site.router.count:
             self.rank_router = RankRouter(self.site, self.rank, self.jobdir, self.args, keys,
                                           lambda: current_controller(self.jobdir, self.rank))
@@ -184,7 +184,7 @@ class Candidate:
 
     def _on_stop_signal(self, sig, frame) -> None:
         """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
-        from ..launcher.rank import AGENT_STOP_GRACE
+        from exaserve_hpc.launcher.rank import AGENT_STOP_GRACE
         print(f"exaserve: {signal.Signals(sig).name}: stopping (by the leader's order, or in "
               f"{AGENT_STOP_GRACE:.0f}s)", flush=True)
         self.stop_asked = True
@@ -205,8 +205,8 @@ class Candidate:
 
     def lead(self) -> tuple[int, bool]:
         """Run the control plane while leading: (exit code, whether it ended by deposition)."""
-        from ..control_plane import ControlPlane, PlaneSettings
-        from ..launcher.rank import check_quota_accounts, start_requeue_watch
+        from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
+        from exaserve_hpc.launcher.rank import check_quota_accounts, start_requeue_watch
         previous = current_controller(self.jobdir, self.rank)
         nodes = list(previous.nodes) if previous else self.nodes
         expected = nodes or None
@@ -338,7 +338,7 @@ class Candidate:
                 if self.agent is None:
                     info = current_controller(self.jobdir, self.rank)
                     if info is not None:
-                        from ..launcher.router_rank import router_keys
+                        from exaserve_hpc.launcher.router_rank import router_keys
                         self.ensure_router(router_keys(self.jobdir, info))
                         self.ensure_agent(info)
                     elif failed_start(self.jobdir, self.rank):
@@ -362,8 +362,8 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
                 inventories: list[NodeInventory], args: argparse.Namespace) -> int:
     """One rank of `exaserve launch` with `ha.etcd` set (launcher/rank.py)."""
     if site.router.count > 1:  # router k runs on rank k: every rank says so, so the whole step ends
-        from ..control_plane import ControlPlaneError
-        from ..launcher.router_rank import check_router_count
+        from exaserve_hpc.control_plane import ControlPlaneError
+        from exaserve_hpc.launcher.router_rank import check_router_count
         try:
             check_router_count(site, rank.size)
         except ControlPlaneError as exc:
@@ -381,6 +381,6 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
         if member is not None:
             member.stop()
         if candidate is not None and candidate.stopped_the_job:  # the leader that stopped the run, last of all:
-            from ..launcher.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
+            from exaserve_hpc.launcher.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
             end_if_batch_host_lost(job, rank, jobdir, "the run stopped")  # would otherwise stay RUNNING
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from ..bootstrap import MPI_RANK_VARIABLES, BootstrapError, RankInfo, _mpi_comm, under_mpi
+from exaserve_hpc.bootstrap import MPI_RANK_VARIABLES, BootstrapError, RankInfo, _mpi_comm, under_mpi
 
 # Set in a successor job's script: the job directory whose checkpoint the successor restores.
 RESUME_VARIABLE = "EXASERVE_RESUME_DIR"

@@ -2,6 +2,6 @@
 
 import sys
 
-from .rank import main
+from exaserve_hpc.launcher.rank import main
 
 sys.exit(main())

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..bootstrap import (
+from exaserve_hpc.bootstrap import (
     CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available,
     exchange_inventories, install_block_hash_salt, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
     wait_for_controller, _mpi_comm,
 )
-from ..config import SiteConfig, load_site, resolve_site
-from ..jobenv import JobEnvironment, detect_job_environment
+from exaserve_hpc.config import SiteConfig, load_site, resolve_site
+from exaserve_hpc.jobenv import JobEnvironment, detect_job_environment
 
 log = logging.getLogger("exaserve.launch")
 
@@ -63,7 +63,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def requeue_policy(site: SiteConfig, args: argparse.Namespace):
     """The site's requeue triggers, each overridden by its flag when given."""
-    from ..scheduler.requeue_policy import RequeuePolicy
+    from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy
     r = site.requeue
     return RequeuePolicy(capacity_floor=r.capacity_floor if args.capacity_floor is None else args.capacity_floor,
                          time_margin=r.time_margin if args.time_margin is None else args.time_margin)
@@ -91,7 +91,7 @@ def stop_gracefully_on_signals(stop, grace: float = AGENT_STOP_GRACE) -> None:
 
 def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                    inventories: list[NodeInventory], args: argparse.Namespace, comm=None) -> int:
-    from ..control_plane import ControlPlane, ControlPlaneError, PlaneSettings
+    from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings
     keys = None
     if not args.no_curve:
         if curve_available():
@@ -102,11 +102,11 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
     nodes = [inv.node for inv in inventories]
     resume = job.resume_dir()
     try:
-        from ..quota.keys import key_file_problems
+        from exaserve_hpc.quota.keys import key_file_problems
         if problems := key_file_problems(site):
             raise ControlPlaneError("; ".join(problems))
         check_quota_accounts(site)
-        from .router_rank import check_router_count
+        from exaserve_hpc.launcher.router_rank import check_router_count
         check_router_count(site, rank.size)  # router k runs on rank k
         plane = ControlPlane(site, PlaneSettings(
             node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
@@ -134,7 +134,7 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
 def check_quota_accounts(site: SiteConfig, **check) -> None:
     """Each quota group's Slurm account must exist and be the job user's to charge (issue: groups as Slurm
     sees them). Raises AccountError naming group, account and user; without Slurm accounting, only warns."""
-    from ..quota.accounts import AccountingUnavailable, check_accounts
+    from exaserve_hpc.quota.accounts import AccountingUnavailable, check_accounts
     try:
         check_accounts(site, **check)  # check: the sacctmgr seam (run=, user=) for tests
     except AccountingUnavailable as exc:
@@ -145,7 +145,7 @@ def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: Rank
                         nodes: list[str], args: argparse.Namespace):
     """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue,
     and in any case for the batch script's stop-requested file."""
-    from .requeue_watch import RequeueWatch
+    from exaserve_hpc.launcher.requeue_watch import RequeueWatch
     requeue = not args.no_requeue and site.requeue.enabled and job.can_requeue
     replace = requeue and (site.requeue.replace_lost_nodes if args.replace_lost_nodes is None
                            else args.replace_lost_nodes)
@@ -184,7 +184,7 @@ def run_agent(site: SiteConfig, rank: RankInfo, jobdir: JobDir, comm=None) -> in
 def build_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir):
     """This node's agent for the published controller (with its CURVE key when it has one); its replica
     processes read the keys from the job directory the agent names to them. Raises GpuGrantError."""
-    from ..agent.node_agent import NodeAgent, default_l2_root
+    from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
     keys = load_client_keys(jobdir, info.server_public_key) if info.server_public_key else None
     agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
                       l2_capacity=site.weight_cache.l2_capacity,
@@ -197,8 +197,8 @@ def build_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: 
 
 
 def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, joined: str) -> int:
-    from ..agent.gpu_binding import GpuGrantError
-    from ..agent.node_agent import EXIT_BAD_GRANT
+    from exaserve_hpc.agent.gpu_binding import GpuGrantError
+    from exaserve_hpc.agent.node_agent import EXIT_BAD_GRANT
     try:
         agent = build_agent(info, site, rank, jobdir)
     except GpuGrantError as exc:
@@ -210,7 +210,7 @@ def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdi
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from ..control_plane import ControlPlaneError
+    from exaserve_hpc.control_plane import ControlPlaneError
     # Everything a rank writes (job directory, controller state, L2 copies, snapshots) is the job
     # user's alone: on a shared cluster other users' jobs may share these nodes and filesystems.
     os.umask(0o077)
@@ -222,7 +222,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     comm = _mpi_comm() if rank.source == "mpi" else None
-    from ..agent.node_agent import L2_RUN_VARIABLE  # this job's L2 directories: never another job's of ours
+    from exaserve_hpc.agent.node_agent import L2_RUN_VARIABLE  # this job's L2 directories: never another job's of ours
     os.environ[L2_RUN_VARIABLE] = f"job-{rank.job_id}"
     if args.join_job_dir:
         return run_joining_agent(site, rank, JobDir(Path(args.join_job_dir).expanduser()).ensure())
@@ -233,18 +233,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     inventories = exchange_inventories(rank, jobdir, NodeInventory.probe(rank), comm, timeout=args.bootstrap_timeout)
     try:
         if site.ha.etcd is not None:  # controller candidates elected through etcd (issue 18)
-            from ..ha.launch import run_ha_rank
+            from exaserve_hpc.ha.launch import run_ha_rank
             return run_ha_rank(site, job, rank, jobdir, inventories, args)
         if role_for(rank.rank) is Role.CONTROLLER:
             return run_controller(site, job, rank, jobdir, inventories, args, comm)
         if rank.rank < site.router.count:  # several routers share the fleet: router k and a gateway on rank k
-            from .router_rank import run_router_rank
+            from exaserve_hpc.launcher.router_rank import run_router_rank
             code = run_router_rank(site, rank, jobdir, args, comm)
         else:
             code = run_agent(site, rank, jobdir, comm)
-        from ..agent.node_agent import EXIT_CONTROLLER_LOST
+        from exaserve_hpc.agent.node_agent import EXIT_CONTROLLER_LOST
         if code == EXIT_CONTROLLER_LOST:  # rank 0 went silent: one surviving rank gives the job back
-            from .controller_lost import after_controller_lost
+            from exaserve_hpc.launcher.controller_lost import after_controller_lost
             nodes = (jobdir.read_json("controller.json") or {}).get("nodes") or [""]  # by rank
             after_controller_lost(job, rank, jobdir, nodes[0], not args.no_requeue and site.requeue.enabled)
         return code
@@ -255,5 +255,5 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m exaserve_hpc.launcher ARGS` is `exaserve launch ARGS`."""
-    from ..cli import main as cli_main
+    from exaserve_hpc.cli import main as cli_main
     return cli_main(["launch", *(sys.argv[1:] if argv is None else argv)])

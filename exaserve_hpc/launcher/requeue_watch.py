@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..jobenv import JobEnvError, JobEnvironment, RequeueOutcome
-from ..scheduler.replacement_policy import replacement_decision
-from ..scheduler.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
+from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.scheduler.replacement_policy import replacement_decision
+from exaserve_hpc.scheduler.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
 
 log = logging.getLogger("exaserve.requeue")
 

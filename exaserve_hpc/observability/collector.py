@@ -64,7 +64,7 @@ from typing import Callable, Iterable, Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .readings import FleetReadings, read_fleet
+from exaserve_hpc.observability.readings import FleetReadings, read_fleet
 
 log = logging.getLogger("exaserve.metrics")
 
@@ -327,7 +327,7 @@ def render_text(fams: list) -> bytes:
 
 def _hook_replica_events(controller) -> None:
     """Weight-load durations and replica failures, counted from the controller's replica-event hook."""
-    from .. import metrics
+    from exaserve_hpc import metrics
     previous = controller.on_replica_state
     if getattr(previous, "exaserve_metrics", False):
         previous = None  # watched before: replace our own hook, do not count twice
@@ -352,7 +352,7 @@ FLEET = FleetCollector()
 def sample_fleet() -> FleetReadings:
     """A fleet with every optional part present (a routed replica with prefix lookups, one not routed,
     a node with a GPU, a checkpoint keeper): what `exported_names` renders."""
-    from .readings import CheckpointReading, GpuReading, ModelReading, NodeReading, ReplicaReading
+    from exaserve_hpc.observability.readings import CheckpointReading, GpuReading, ModelReading, NodeReading, ReplicaReading
     return FleetReadings(
         (ReplicaReading("m/r0000", "m", "n1", "serving", routed=True, prefix_query_tokens=1, ttft_ms=(1.0, 2.0),
                         tpot_ms=(1.0, 2.0)),
@@ -368,6 +368,6 @@ _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum",
 def exported_names() -> set[str]:
     """Every sample name /metrics can carry (the gateway's, the events' and the fleet's), e.g. for checking
     that dashboards and alert rules name only real series."""
-    from .. import metrics
+    from exaserve_hpc import metrics
     fams = list(metrics.REGISTRY.collect()) + families(sample_fleet())
     return {f.name + suffix for f in fams for suffix in _SUFFIXES.get(f.type, ("",))}

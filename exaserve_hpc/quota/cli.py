@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from .keys import append_key_hash, hash_key, key_file_path, new_key
-from .ledger import BY_CHOICES, default_ledger_dirs, read_usage, summarize
+from exaserve_hpc.quota.keys import append_key_hash, hash_key, key_file_path, new_key
+from exaserve_hpc.quota.ledger import BY_CHOICES, default_ledger_dirs, read_usage, summarize
 
 USAGE_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "gpu_seconds")
 
@@ -26,7 +26,7 @@ def add_keys_arguments(parser: argparse.ArgumentParser, site_help: str) -> None:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    from ..cli import _load, err
+    from exaserve_hpc.cli import _load, err
     site = _load(args.site)
     group = next((g for g in site.quota_groups if g.name == args.group), None)
     if group is None:
@@ -77,7 +77,7 @@ def parse_time(text: Optional[str], flag: str) -> Optional[float]:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from ..cli import _load, err, out
+    from exaserve_hpc.cli import _load, err, out
     candidates = [Path(args.dir).expanduser()] if args.dir else default_ledger_dirs(_load(args.site))
     directories = [d for d in candidates if d.is_dir()]
     if not directories:

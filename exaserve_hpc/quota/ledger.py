@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from .shares import DecayedUsage
+from exaserve_hpc.quota.shares import DecayedUsage
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ policy's own `random.Random`), costs in doubles with the reference's operation o
 figure is bit for bit the one Python computes. Used only when the candidates are a `ReplicaPool`.
 """
 
-from .balancing import Decision
+from exaserve_hpc.router.balancing import Decision
 
 
 cdef struct Costs:

@@ -28,7 +28,7 @@ from libc.string cimport memmove
 
 from array import array as _array
 
-from ..engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 cdef uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef Py_ssize_t MAX_HOLDERS = 60000  # holder counts are 16-bit

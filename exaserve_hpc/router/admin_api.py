@@ -60,7 +60,7 @@ from typing import Callable, Collection, Optional
 from fastapi import APIRouter, Header, HTTPException
 from pydantic import BaseModel, Field
 
-from .canary import Rollout, RolloutError, RolloutTable, check_version
+from exaserve_hpc.router.canary import Rollout, RolloutError, RolloutTable, check_version
 
 ROUTE = "/v1/exaserve/rollouts"
 ADMIN_KEY_FILE = "admin.key"
@@ -252,7 +252,7 @@ def serving_admin_routes(site, router, controller, host: Optional[str] = None,
     """The rollout routes of a running deployment: the router's table, the controller's fleet, the admin key
     (`admin_key_for`; None: the site's router.admin_key). A version's checkpoint defaults to the one next to
     the model's (`rollout_control.version_dir`). `host` is accepted for older callers and not used."""
-    from ..scheduler.rollout_control import version_dir
+    from exaserve_hpc.scheduler.rollout_control import version_dir
 
     def resolve_dir(model: str, version: str) -> Optional[str]:
         path = version_dir(site, model, version)
@@ -380,7 +380,7 @@ def admin_headers(args: argparse.Namespace) -> dict[str, str]:
             if getattr(args, "run_dir", None):
                 run_dir = Path(args.run_dir).expanduser()
             else:
-                from ..cli import _load
+                from exaserve_hpc.cli import _load
                 run_dir = _load(getattr(args, "site", None)).run_path
             key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
         except (Exception, SystemExit):  # no readable key file, no loadable site: send none
@@ -394,7 +394,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         body["weight"] = args.weight
         if args.model_dir:
             body["model_dir"] = os.path.abspath(args.model_dir)
-    from ..cli import running_server_url  # --url, else the server recorded in run_dir
+    from exaserve_hpc.cli import running_server_url  # --url, else the server recorded in run_dir
     url = f"{running_server_url(args)}{ROUTE}/{args.action}"
     headers = {"Content-Type": "application/json", **admin_headers(args)}
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")

@@ -60,14 +60,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Container, Optional, Sequence
 
-from .balancing import (  # noqa: F401 - Decision is re-exported: callers know it as affinity's
+from exaserve_hpc.router.balancing import (  # noqa: F401 - Decision is re-exported: callers know it as affinity's
     Decision, PowerOfTwo, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, WeightSettings, mean_latency_ms,
 )
-from ..engine.kv_events import BlockStored
-from .prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex, make_index
+from exaserve_hpc.engine.kv_events import BlockStored
+from exaserve_hpc.router.prefix_index import EngineBlockHasher, FastBlockHasher, PrefixIndex, make_index
 
 try:  # `route` compiled (same decisions); built with the compiled prefix index, absent where that is
-    from ._affinity_route import route as compiled_route
+    from exaserve_hpc.router._affinity_route import route as compiled_route
 except ImportError:  # not built: `route` below serves (prefix_index.make_index logs the missing build)
     compiled_route = None
 

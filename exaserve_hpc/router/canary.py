@@ -23,7 +23,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..protocol import GenerateRequest
+from exaserve_hpc.protocol import GenerateRequest
 
 STICKY_PROMPT_TOKENS = 64  # the start of a prompt that names a conversation when it has no session id
 
@@ -49,7 +49,7 @@ class Rollout:
 
 def check_version(model_dir: str) -> None:
     """Refuse a version whose checkpoint fails its checksum manifest (reads the whole checkpoint)."""
-    from ..cache.checkpoint import CheckpointError, verify_checkpoint
+    from exaserve_hpc.cache.checkpoint import CheckpointError, verify_checkpoint
     try:
         verify_checkpoint(model_dir)
     except CheckpointError as exc:

@@ -29,15 +29,15 @@ from typing import Optional
 
 import msgspec
 
-from ..protocol import (
+from exaserve_hpc.protocol import (
     Abort, Drain, GenerateRequest, Message, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, Routers, SayHello,
     TokenChunk,
     unpack_hashes, unpack_request,
 )
-from .balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, set_latency, shift_prefilling
-from .breaker import BreakerState, CircuitBreaker
-from .canary import RolloutTable
-from .dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
+from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, set_latency, shift_prefilling
+from exaserve_hpc.router.breaker import BreakerState, CircuitBreaker
+from exaserve_hpc.router.canary import RolloutTable
+from exaserve_hpc.router.dispatch_state import (  # noqa: F401 - re-exported: the records belong to the dispatcher's API
     GATEWAY, REPLICA, DispatchSettings, Inflight, Outgoing, ReplicaEntry, RoutedRequest, _Excluded, attempt_id,
 )
 

@@ -10,9 +10,9 @@ from typing import Iterator, Optional, Sequence, Union
 
 import msgspec
 
-from ..protocol import GenerateRequest, Message, unpack_ints
-from .balancing import ReplicaLoad, ReplicaPool, RoutingKey
-from .breaker import BreakerSettings, CircuitBreaker
+from exaserve_hpc.protocol import GenerateRequest, Message, unpack_ints
+from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, RoutingKey
+from exaserve_hpc.router.breaker import BreakerSettings, CircuitBreaker
 
 GATEWAY, REPLICA = "gateway", "replica"
 

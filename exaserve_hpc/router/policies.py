@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .affinity import PrefixAffinity
-from .balancing import LeastLoad, LeastTokens, PowerOfTwo, RoundRobin, RoutingPolicy
+from exaserve_hpc.router.affinity import PrefixAffinity
+from exaserve_hpc.router.balancing import LeastLoad, LeastTokens, PowerOfTwo, RoundRobin, RoutingPolicy
 
 if TYPE_CHECKING:
-    from ..config import BatchingConfig, RouterConfig
+    from exaserve_hpc.config import BatchingConfig, RouterConfig
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls for cls in (RoundRobin, LeastLoad, LeastTokens, PowerOfTwo, PrefixAffinity)

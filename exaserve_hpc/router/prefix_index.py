@@ -36,7 +36,7 @@ import sys
 from array import array
 from typing import Container, Optional, Sequence
 
-from ..engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 log = logging.getLogger(__name__)
 ROOT_HASH = 0x6578617365727665  # same root as engine/block_manager.py
@@ -81,7 +81,7 @@ class EngineBlockHasher:
     under another run's salt are never taken for ours."""
 
     def __init__(self, block_size: int, max_blocks: int = 1024, salt: Optional[bytes] = None):
-        from ..engine.block_manager import block_hash_salt
+        from exaserve_hpc.engine.block_manager import block_hash_salt
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.salt = block_hash_salt() if salt is None else bytes(salt)
@@ -275,7 +275,7 @@ class PrefixIndex:
 
 
 try:
-    from ._prefix_index import PrefixIndex as CompiledPrefixIndex
+    from exaserve_hpc.router._prefix_index import PrefixIndex as CompiledPrefixIndex
     COMPILED_MISSING = ""
 except ImportError as exc:  # not built here (no C compiler at install time): the reference serves
     CompiledPrefixIndex = None

@@ -30,12 +30,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..config import SiteConfig
-from ..topology import Topology
-from .catalogue import ModelSpec
-from .occupancy import Occupancy
-from .placement import Placer, shape_problem
-from .plan import Assignment, Plan, Unplaced, replica_id, replica_index
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.occupancy import Occupancy
+from exaserve_hpc.scheduler.placement import Placer, shape_problem
+from exaserve_hpc.scheduler.plan import Assignment, Plan, Unplaced, replica_id, replica_index
 
 UP, HOLD, DOWN = 1, 0, -1
 

@@ -29,12 +29,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..topology import Topology
-from ..units import format_size
-from .catalogue import ModelSpec
-from .occupancy import Occupancy
-from .placement import Placer, capacity_problem, shape_problem
-from .plan import Plan
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.units import format_size
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.occupancy import Occupancy
+from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.scheduler.plan import Plan
 
 HEADROOM = 0.30
 

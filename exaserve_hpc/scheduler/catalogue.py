@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from ..config import ModelConfig, SiteConfig, TinyModelConfig
-from ..topology import Device
-from ..units import format_size
+from exaserve_hpc.config import ModelConfig, SiteConfig, TinyModelConfig
+from exaserve_hpc.topology import Device
+from exaserve_hpc.units import format_size
 
 CPU_RESERVATION_FLOOR = 256 * 2**20
 TINY_VOCAB = 259  # the byte tokenizer's vocabulary (engine/tokenizer.py)

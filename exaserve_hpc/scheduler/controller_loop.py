@@ -17,8 +17,8 @@ from typing import Callable
 
 import zmq
 
-from ..protocol import DecodeError, decode, encode
-from .message_checks import invalid
+from exaserve_hpc.protocol import DecodeError, decode, encode
+from exaserve_hpc.scheduler.message_checks import invalid
 
 log = logging.getLogger("exaserve.controller")
 

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from exaserve_hpc.scheduler.controller import Controller
 
 
 def _finite(x: float) -> Optional[float]:

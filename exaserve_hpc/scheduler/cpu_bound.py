@@ -28,7 +28,7 @@ def node_replica_cap(cap: int, cpu_slots: int) -> int:
 
 def site_bounds_cpu(site) -> bool:
     """Whether the site's CPU nodes are bounded by cores: nodes without GPUs, and a CPU-compute engine."""
-    from ..engine.registry import engine_spec
+    from exaserve_hpc.engine.registry import engine_spec
     if site.cluster.gpus_per_node:
         return False
     return any(engine_spec(m.engine).cpu_compute for m in site.models)

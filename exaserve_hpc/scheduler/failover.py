@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..topology import Topology
-from .catalogue import ModelSpec
-from .occupancy import Occupancy, merge_unplaced
-from .placement import Placer, capacity_problem, shape_problem
-from .plan import Assignment, Plan, Stage, Unplaced
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.occupancy import Occupancy, merge_unplaced
+from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage, Unplaced
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..agent.lifecycle import ReplicaState
-from ..config import SiteConfig
-from ..engine.registry import engine_settings, engine_spec
-from ..protocol import StartReplica, StopReplica
-from ..topology import Topology
-from .catalogue import catalogue_from_site
-from .fleet_state import AgentRecord, ReplicaRecord, desired_replicas
-from .live_placement import fleet_topology, held_plan
-from .pipeline import PipelineStages
-from .plan import Assignment, Plan, replica_id, replica_index
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.engine.registry import engine_settings, engine_spec
+from exaserve_hpc.protocol import StartReplica, StopReplica
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord, desired_replicas
+from exaserve_hpc.scheduler.live_placement import fleet_topology, held_plan
+from exaserve_hpc.scheduler.pipeline import PipelineStages
+from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_id, replica_index
 
 log = logging.getLogger("exaserve.controller")
 

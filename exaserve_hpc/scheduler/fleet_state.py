@@ -15,12 +15,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..agent.lifecycle import ReplicaState
-from ..agent.load_failover import NodeView
-from ..config import SiteConfig
-from ..protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
-from .autoscale import ModelLoad
-from .plan import Assignment, replica_index
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.agent.load_failover import NodeView
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
+from exaserve_hpc.scheduler.autoscale import ModelLoad
+from exaserve_hpc.scheduler.plan import Assignment, replica_index
 
 
 @dataclass
@@ -46,7 +46,7 @@ class AgentRecord:
 
     @classmethod
     def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":
-        from .live_placement import hello_inventory
+        from exaserve_hpc.scheduler.live_placement import hello_inventory
         return cls(agent_id, hello.hostname, hello.pid, now, len(hello.gpus), hello.host_memory_total,
                    memory=hello.memory, l2=hello.l2, gpu_telemetry=list(hello.gpus),
                    telemetry_at=now if hello.gpus else 0.0, inventory=hello_inventory(agent_id, hello))

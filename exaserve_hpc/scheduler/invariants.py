@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from ..topology import Topology
-from .catalogue import ModelSpec
-from .plan import Plan
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.plan import Plan
 
 FRACTION_SLACK = 1e-9
 

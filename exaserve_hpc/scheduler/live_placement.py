@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..config import SiteConfig
-from ..protocol import AgentHello
-from ..topology import Topology, topology_from_inventory
-from .catalogue import ModelSpec, placement_order
-from .cpu_bound import cpu_replica_slots, site_bounds_cpu
-from .occupancy import PACK, Occupancy
-from .placement import Placer, capacity_problem, shape_problem
-from .plan import Assignment, Plan, replica_index
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.protocol import AgentHello
+from exaserve_hpc.topology import Topology, topology_from_inventory
+from exaserve_hpc.scheduler.catalogue import ModelSpec, placement_order
+from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, site_bounds_cpu
+from exaserve_hpc.scheduler.occupancy import PACK, Occupancy
+from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_index
 
 
 def hello_inventory(agent_id: str, hello: AgentHello) -> dict:

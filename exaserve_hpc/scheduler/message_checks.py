@@ -6,9 +6,9 @@ it names, counted against its peer by peer_guard.PeerGuard).
 
 from __future__ import annotations
 
-from ..agent.lifecycle import ReplicaState
-from ..peer_guard import shorten
-from ..protocol import AgentHeartbeat, ReplicaEvent
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.peer_guard import shorten
+from exaserve_hpc.protocol import AgentHeartbeat, ReplicaEvent
 
 _STATES = frozenset(s.value for s in ReplicaState)
 

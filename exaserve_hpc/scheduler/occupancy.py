@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from ..topology import Node, Topology
-from .catalogue import ModelSpec
-from .cpu_bound import node_replica_cap
-from .plan import Assignment, Plan, Stage, Unplaced
+from exaserve_hpc.topology import Node, Topology
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.cpu_bound import node_replica_cap
+from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage, Unplaced
 
 
 PACK, SPREAD = "pack", "spread"

@@ -31,15 +31,15 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from .. import metrics
-from ..protocol import MemoryPoolStatus
-from .fleet_state import AgentRecord, ReplicaRecord
-from .oom_guard import MemoryReading, OomDecision, oom_guard
-from .plan import Assignment, Plan, Stage
+from exaserve_hpc import metrics
+from exaserve_hpc.protocol import MemoryPoolStatus
+from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord
+from exaserve_hpc.scheduler.oom_guard import MemoryReading, OomDecision, oom_guard
+from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage
 
 if TYPE_CHECKING:
-    from .demand import DemandHistory
-    from .fleet import Fleet
+    from exaserve_hpc.scheduler.demand import DemandHistory
+    from exaserve_hpc.scheduler.fleet import Fleet
 
 log = logging.getLogger("exaserve.oom")
 

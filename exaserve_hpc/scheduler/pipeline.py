@@ -32,8 +32,8 @@ from typing import Optional
 
 import msgspec
 
-from ..engine.stage_link import stage_name
-from ..protocol import PipelineStage, ReplicaEvent, StageHello, StageTable, StartReplica
+from exaserve_hpc.engine.stage_link import stage_name
+from exaserve_hpc.protocol import PipelineStage, ReplicaEvent, StageHello, StageTable, StartReplica
 
 log = logging.getLogger("exaserve.pipeline")
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from ..config import SiteConfig
-from ..topology import Topology, topology_from_site
-from ..units import format_size
-from .catalogue import ModelSpec, catalogue_from_site, placement_order
-from .occupancy import PACK, Occupancy
-from .plan import Assignment, Plan, Unplaced, replica_id
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.topology import Topology, topology_from_site
+from exaserve_hpc.units import format_size
+from exaserve_hpc.scheduler.catalogue import ModelSpec, catalogue_from_site, placement_order
+from exaserve_hpc.scheduler.occupancy import PACK, Occupancy
+from exaserve_hpc.scheduler.plan import Assignment, Plan, Unplaced, replica_id
 
 
 def shape_problem(spec: ModelSpec, topology: Topology) -> str | None:

@@ -34,13 +34,13 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..agent.lifecycle import ReplicaState
-from .failover import failover
-from .fleet import Fleet, keeps_kv_snapshots
-from .fleet_state import ReplicaRecord
-from .invariants import plan_violations
-from .live_placement import held_plan, place_pending
-from .rebalance import rebalance, rebalance_due
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.scheduler.failover import failover
+from exaserve_hpc.scheduler.fleet import Fleet, keeps_kv_snapshots
+from exaserve_hpc.scheduler.fleet_state import ReplicaRecord
+from exaserve_hpc.scheduler.invariants import plan_violations
+from exaserve_hpc.scheduler.live_placement import held_plan, place_pending
+from exaserve_hpc.scheduler.rebalance import rebalance, rebalance_due
 
 log = logging.getLogger("exaserve.controller")
 

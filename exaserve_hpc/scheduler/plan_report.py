@@ -17,13 +17,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..config import ConfigError, load_site, resolve_site
-from ..units import format_size
-from ..topology import topology_from_site
-from .capacity import placeable_replicas
-from .catalogue import catalogue_from_site
-from .placement import plan_site
-from .plan import Plan
+from exaserve_hpc.config import ConfigError, load_site, resolve_site
+from exaserve_hpc.units import format_size
+from exaserve_hpc.topology import topology_from_site
+from exaserve_hpc.scheduler.capacity import placeable_replicas
+from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.scheduler.placement import plan_site
+from exaserve_hpc.scheduler.plan import Plan
 
 SPREAD_ROWS = 64  # more fault groups than this: a min/max summary per model instead of one row each
 

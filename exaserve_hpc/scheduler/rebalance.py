@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..topology import Topology
-from .catalogue import ModelSpec
-from .occupancy import Occupancy
-from .plan import Assignment, Plan, replica_id
+from exaserve_hpc.topology import Topology
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.scheduler.occupancy import Occupancy
+from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_id
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from ..config import SiteConfig
-from .fleet_state import ReplicaRecord, pick_for_removal
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, pick_for_removal
 
 if TYPE_CHECKING:
-    from ..router.canary import Rollout
-    from .fleet import Fleet
+    from exaserve_hpc.router.canary import Rollout
+    from exaserve_hpc.scheduler.fleet import Fleet
 
 log = logging.getLogger("exaserve.rollout")
 

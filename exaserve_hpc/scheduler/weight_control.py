@@ -18,25 +18,25 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .. import metrics
-from ..agent.lifecycle import ReplicaState
-from ..agent.load_failover import NodeView, after_load_failure
-from ..cache.prefetch import prefetch_plan
-from ..config import SiteConfig
-from ..protocol import LoadFailed, Prefetch
+from exaserve_hpc import metrics
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.agent.load_failover import NodeView, after_load_failure
+from exaserve_hpc.cache.prefetch import prefetch_plan
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.protocol import LoadFailed, Prefetch
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
-    from .placement_control import PlacementControl
+    from exaserve_hpc.scheduler.fleet import Fleet
+    from exaserve_hpc.scheduler.placement_control import PlacementControl
 
 log = logging.getLogger("exaserve.controller")  # these lines were the controller's; their logger stays
 
 
 def model_bytes(site: SiteConfig) -> dict[str, int]:
     """Checkpoint size per model with weights in the shared store (engines without weights have none)."""
-    from ..cache.l3_store import manifest_bytes
-    from ..cache.manifest import CheckpointError
-    from ..engine.registry import engine_spec
+    from exaserve_hpc.cache.l3_store import manifest_bytes
+    from exaserve_hpc.cache.manifest import CheckpointError
+    from exaserve_hpc.engine.registry import engine_spec
     sizes = {}
     for model in site.models:
         if not engine_spec(model.engine).needs_weights:

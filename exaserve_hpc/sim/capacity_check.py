@@ -14,10 +14,10 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from ..config import SiteConfig, parse_site
-from ..scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
-from ..scheduler.catalogue import catalogue_from_site
-from .workload import Workload, arrivals, workload_from_args
+from exaserve_hpc.config import SiteConfig, parse_site
+from exaserve_hpc.scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
+from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.sim.workload import Workload, arrivals, workload_from_args
 
 WINDOW = 60.0  # seconds over which the peak rate is taken
 
@@ -80,7 +80,7 @@ def cmd_capacity(args: argparse.Namespace, site: SiteConfig, console: Console) -
                          for m, e in zip(mixes, estimates)]}
     code = 0
     if args.check:
-        from .run import simulate
+        from exaserve_hpc.sim.run import simulate
         try:
             sized = sized_site(site, answer)
         except Exception as exc:  # the answer does not fit the machine

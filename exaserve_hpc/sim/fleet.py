@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..engine.timing import GpuTimings
-from ..protocol import ReplicaBye, ReplicaEvent, ReplicaHello
-from ..scheduler.catalogue import ModelSpec
-from .replica import SimReplica
+from exaserve_hpc.engine.timing import GpuTimings
+from exaserve_hpc.protocol import ReplicaBye, ReplicaEvent, ReplicaHello
+from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.sim.replica import SimReplica
 
 REFERENCE_WEIGHT_BYTES = 16e9  # GpuTimings are for an 8B-parameter fp16 model on one GPU (engine/timing.py)
 STEP_TOKENS = 8192  # prefill tokens per step across the batch (vLLM's max_num_batched_tokens default)

@@ -31,7 +31,7 @@ import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from ..engine.timing import GpuTimings, StepSample
+from exaserve_hpc.engine.timing import GpuTimings, StepSample
 
 
 @dataclass(eq=False)

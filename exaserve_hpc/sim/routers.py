@@ -43,10 +43,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..control_plane_routing import dispatch_settings, router_policy
-from ..engine.kv_events import BlockRemoved, BlockStored
-from ..router.dispatch import Dispatcher
-from ..router.router_group import merge_snapshots
+from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
+from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored
+from exaserve_hpc.router.dispatch import Dispatcher
+from exaserve_hpc.router.router_group import merge_snapshots
 
 # Router CPU per request: benchmarks/bench_router_throughput.py, prefix affinity with the compiled index and
 # decision, 3,072 replica sockets, varied prompts (sent packed, as gateways do), warm index, recording

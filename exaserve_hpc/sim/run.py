@@ -15,11 +15,11 @@ from typing import Optional
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import SiteConfig
-from .report import write_report
-from .routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S
-from .simulation import Simulation
-from .workload import Workload, workload_from_args
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.sim.report import write_report
+from exaserve_hpc.sim.routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S
+from exaserve_hpc.sim.simulation import Simulation
+from exaserve_hpc.sim.workload import Workload, workload_from_args
 
 
 def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = None, static: bool = False,
@@ -118,7 +118,7 @@ def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -
     if args.size_by_capacity:
         # Each model at what `exaserve capacity` answers for its own peak (30% headroom): the static
         # allocation a centre would book for this workload; the dynamic run starts there and scales.
-        from .capacity_check import plan, sized_site
+        from exaserve_hpc.sim.capacity_check import plan, sized_site
         answer = {e.model: e.replicas for e in plan(site, workload)[1]}
         console.print("sized by capacity: " + ", ".join(f"{m} {n}" for m, n in sorted(answer.items())),
                       highlight=False)

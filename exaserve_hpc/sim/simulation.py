@@ -28,22 +28,22 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import SiteConfig
-from ..engine.timing import timings_for
-from ..protocol import (
+from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.engine.timing import timings_for
+from exaserve_hpc.protocol import (
     Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
     StartReplica, StopReplica, TokenChunk,
 )
-from ..router.dispatch import GATEWAY
-from ..router.dispatch_state import request_id_of
-from ..scheduler.catalogue import catalogue_from_site
-from ..scheduler.controller import Controller
-from ..scheduler.requeue_policy import RequeueSnapshot, requeue_decision
-from .fleet import SimAgent
-from .metrics import Recorder
-from .replica import SharedGpus, SimSeq
-from .routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, STATS_SLICES, SimRouters
-from .workload import Workload, arrivals
+from exaserve_hpc.router.dispatch import GATEWAY
+from exaserve_hpc.router.dispatch_state import request_id_of
+from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.scheduler.requeue_policy import RequeueSnapshot, requeue_decision
+from exaserve_hpc.sim.fleet import SimAgent
+from exaserve_hpc.sim.metrics import Recorder
+from exaserve_hpc.sim.replica import SharedGpus, SimSeq
+from exaserve_hpc.sim.routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, STATS_SLICES, SimRouters
+from exaserve_hpc.sim.workload import Workload, arrivals
 
 
 class Simulation:

@@ -46,7 +46,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import yaml
 
-from ..units import parse_duration
+from exaserve_hpc.units import parse_duration
 
 FAULT_KINDS = ("node_loss", "fault_group_loss", "slow_node", "controller_node_loss")
 STREAM_KINDS = ("synthetic", "trace")

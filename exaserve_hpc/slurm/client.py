@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .hostlist import compress_hostlist
-from .parse import (
+from exaserve_hpc.slurm.hostlist import compress_hostlist
+from exaserve_hpc.slurm.parse import (
     JobInfo, NodeInfo, job_from_scontrol, node_from_scontrol, parse_sbatch_parsable, parse_scontrol_show,
     parse_sinfo_json, parse_squeue_json,
 )
@@ -218,7 +218,7 @@ def slurm_client(prefer: Optional[str] = None, runner: Runner = run_command) -> 
     if prefer == "cli":
         return cli
     try:
-        from .pyslurm_backend import PyslurmClient, pyslurm_version
+        from exaserve_hpc.slurm.pyslurm_backend import PyslurmClient, pyslurm_version
         pv = pyslurm_version()
     except ImportError as exc:
         why = f"pyslurm does not import ({exc})"

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .client import SlurmClient, SlurmError
-from .hostlist import compress_hostlist, expand_hostlist
-from .sbatch import default_launcher, render_sbatch
+from exaserve_hpc.slurm.client import SlurmClient, SlurmError
+from exaserve_hpc.slurm.hostlist import compress_hostlist, expand_hostlist
+from exaserve_hpc.slurm.sbatch import default_launcher, render_sbatch
 
 log = logging.getLogger("exaserve.replacement")
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .hostlist import expand_hostlist
-from .states import JobState, NodeState, job_state, node_state
+from exaserve_hpc.slurm.hostlist import expand_hostlist
+from exaserve_hpc.slurm.states import JobState, NodeState, job_state, node_state
 
 
 class SlurmParseError(ValueError):

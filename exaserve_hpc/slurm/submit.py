@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..config import ConfigError, load_site, resolve_site
-from ..units import parse_duration, parse_size
-from .client import SlurmError, slurm_client
-from .sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
+from exaserve_hpc.config import ConfigError, load_site, resolve_site
+from exaserve_hpc.units import parse_duration, parse_size
+from exaserve_hpc.slurm.client import SlurmError, slurm_client
+from exaserve_hpc.slurm.sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
 
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m exaserve_hpc.slurm.submit ARGS` is `exaserve submit ARGS`."""
-    from ..cli import main as cli_main
+    from exaserve_hpc.cli import main as cli_main
     return cli_main(["submit", *(sys.argv[1:] if argv is None else argv)])
 
 
