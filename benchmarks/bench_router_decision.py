@@ -15,7 +15,7 @@ Reported (median / p99, microseconds):
 - index update: `PrefixAffinity.commit` (recording the choice; the
   dispatcher does it once the request is on its way);
 - hashing: the prompt's chained block hashes (16-token blocks, 1,152
-  tokens). The gateway processes do this (router/gateway.py sends
+  tokens). The gateway processes do this (gateway/app.py sends
   prefix_hashes with each request), so it is off the router's thread;
 - dispatcher: `Dispatcher.on_request` end to end (decision, bookkeeping, the
   outgoing message), for the request then its last chunk: with the

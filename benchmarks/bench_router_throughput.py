@@ -12,7 +12,7 @@ The workload is the served one at the seed's scale:
   forwarding path);
 - varied prompts: next turns of conversations (one of 64 shared 512-token
   system prompts + a 512-token conversation start + 128 new tokens), each
-  carrying the block hashes the gateway computes (as router/gateway.py does),
+  carrying the block hashes the gateway computes (as gateway/app.py does),
   packed as the gateway's router client sends them (protocol.pack_request);
 - a warm index: before the clock starts, the router routes and records one
   turn of each of ``--conversations`` conversations (20,000), so most

@@ -60,7 +60,7 @@ def running_server_url(args: argparse.Namespace) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from exaserve_hpc.router.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
+    from exaserve_hpc.gateway.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
     url = running_server_url(args)
     status_request = urllib.request.Request(f"{url}/v1/exaserve/status", headers=admin_headers(args))
     if args.watch:  # a live view (observability/watch.py)
@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_capacity_arguments(capacity, site_help)
     capacity.set_defaults(func=cmd_capacity)
 
-    from exaserve_hpc.router.admin_api import add_rollout_arguments, cmd_rollout
+    from exaserve_hpc.gateway.admin_api import add_rollout_arguments, cmd_rollout
     from exaserve_hpc.launcher.rank import add_launch_arguments, cmd_launch
     from exaserve_hpc.slurm.submit import add_submit_arguments, cmd_submit
 

@@ -321,7 +321,7 @@ class GatewayConfig(_Section):
     metrics_key: Optional[str] = Field(None, min_length=16)
     # Half-life of the usage quota groups' fair share decays by (quota/shares.py), as Slurm's PriorityDecayHalfLife
     fair_share_half_life: PositiveDuration = 3600.0
-    # Connections one gateway process holds open (router/http_limits.py); beyond it the oldest idle one is
+    # Connections one gateway process holds open (gateway/http_limits.py); beyond it the oldest idle one is
     # closed, and when none is idle the new one is answered 503. Also bounded by the process's RLIMIT_NOFILE.
     max_connections: int = Field(4096, ge=16, le=1_000_000)
     max_connections_per_client: int = Field(1024, ge=1)  # per peer address (loopback users share 127.0.0.1)

@@ -286,7 +286,7 @@ class ControlPlane:
             self.request_stop(why)
 
     def _app(self):
-        from exaserve_hpc.router.admin_api import admin_key_for
+        from exaserve_hpc.gateway.admin_api import admin_key_for
         self._admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
         from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
         # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
@@ -368,7 +368,7 @@ class ControlPlane:
         late = faults.delay("gateway_late")
         if late:  # a test's window between serve.json and the gateway's own signal handlers
             time.sleep(late)
-        from exaserve_hpc.router.http_limits import HttpLimits
+        from exaserve_hpc.gateway.http_limits import HttpLimits
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      grace=self.site.gateway.stop_grace, limits=HttpLimits.from_site(self.site),

@@ -79,10 +79,10 @@ def plane_gateway_app(site: SiteConfig, frontend: str, controller, router, gatew
                       admin_key, ledger, admission):
     """A gateway app over the router at `frontend` (router 0's; serve's other gateways, their router's), with
     the admin routes over `router` (router 0 or the group) and the controller."""
-    from exaserve_hpc.router.admin_api import serving_admin_routes
-    from exaserve_hpc.router.backend import ModelInfo
-    from exaserve_hpc.router.client import RouterClient
-    from exaserve_hpc.router.gateway import create_app
+    from exaserve_hpc.gateway.admin_api import serving_admin_routes
+    from exaserve_hpc.gateway.backend import ModelInfo
+    from exaserve_hpc.gateway.router_client import RouterClient
+    from exaserve_hpc.gateway.app import create_app
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(frontend, models, status=controller.status,
@@ -141,7 +141,7 @@ def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, *, 
 
     Its stop never cuts a stream (issue 25 item 7): new connections are refused at once (the listener
     closes), requests already open get `grace` seconds (gateway.stop_grace) to finish, and those still
-    open then end as the app's stop gate ends them (router/generation.py StopGate: an SSE error event
+    open then end as the app's stop gate ends them (gateway/generation.py StopGate: an SSE error event
     `server_stopping` and `data: [DONE]`, or a 503), so uvicorn's own cut (its timeout_graceful_shutdown,
     a cancellation and a traceback per stream) is only a backstop 5 s later.
     `limits` (router/http_limits.HttpLimits; default the class's): the connection cap and timeouts.
@@ -150,7 +150,7 @@ def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, *, 
     import threading
 
     import uvicorn
-    from exaserve_hpc.router.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
+    from exaserve_hpc.gateway.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
 
     raise_fd_limit()
     limits = limits or HttpLimits()

@@ -44,8 +44,8 @@ def router_file(rank: int) -> str:
 def gateway_admission(site, ledger, across_nodes: bool, rank: int = 0):
     """The admission (quota limits) of this process's gateways. `exaserve serve`: one for all of them, shared
     by their threads, so every limit holds exactly; `exaserve launch`: gateway k, on rank k, holds its part of
-    each limit, the parts adding up to the configured one (router/admission.py)."""
-    from exaserve_hpc.router.gateway import site_admission
+    each limit, the parts adding up to the configured one (gateway/admission.py)."""
+    from exaserve_hpc.gateway.app import site_admission
     gateways = site.router.count if across_nodes else 1
     return site_admission(site, ledger, (rank, gateways))
 
@@ -88,7 +88,7 @@ class SeveralRouters:
                        port: int) -> list[str]:
         """A gateway per local router beyond the first (uvicorn in a thread each); their URLs."""
         from exaserve_hpc.control_plane_routing import gateway_server  # the stop grace and connection limits of the main one
-        from exaserve_hpc.router.http_limits import HttpLimits
+        from exaserve_hpc.gateway.http_limits import HttpLimits
         urls = []
         for k, router in enumerate(self.local[1:], start=1):
             listener = listen(port + k if port else 0)

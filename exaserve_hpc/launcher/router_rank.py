@@ -94,7 +94,7 @@ class RankRouter:
         self.url = http_url(publish, self.listener.getsockname()[1])
         app, self.ledger, self.admission = gateway_app(site, self.router, jobdir, keys, rank, controller)
         from exaserve_hpc.control_plane_routing import gateway_server  # rank 0's stop grace and connection limits
-        from exaserve_hpc.router.http_limits import HttpLimits
+        from exaserve_hpc.gateway.http_limits import HttpLimits
         self.server = gateway_server(app, log_level="warning", access_log=False, grace=g.stop_grace,
                                      limits=HttpLimits.from_site(site))
         self.stop_grace = g.stop_grace
@@ -200,10 +200,10 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
     ledger beside the job directory), with a status of this router (the fleet's is the controller's:
     `controller()` names the one of the moment, a new leader's after a failover under ha.etcd)."""
     from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
-    from exaserve_hpc.router.admin_api import ADMIN_KEY_FILE
-    from exaserve_hpc.router.backend import ModelInfo
-    from exaserve_hpc.router.client import RouterClient
-    from exaserve_hpc.router.gateway import create_app
+    from exaserve_hpc.gateway.admin_api import ADMIN_KEY_FILE
+    from exaserve_hpc.gateway.backend import ModelInfo
+    from exaserve_hpc.gateway.router_client import RouterClient
+    from exaserve_hpc.gateway.app import create_app
     from exaserve_hpc.several_routers import gateway_admission
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]

@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 
 from exaserve_hpc.config import SiteConfig, parse_site
-from exaserve_hpc.router.backend import ModelInfo
-from exaserve_hpc.router.gateway import create_app
+from exaserve_hpc.gateway.backend import ModelInfo
+from exaserve_hpc.gateway.app import create_app
 from fake_backend import FakeBackend
 
 MODEL = "tiny-echo"

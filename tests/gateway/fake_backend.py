@@ -20,7 +20,7 @@ from typing import Optional
 
 from exaserve_hpc.engine.tokenizer import SPECIAL_IDS
 from exaserve_hpc.protocol import GenerateRequest, TokenChunk
-from exaserve_hpc.router.backend import BackendError, ModelInfo
+from exaserve_hpc.gateway.backend import BackendError, ModelInfo
 
 
 class FakeBackend:

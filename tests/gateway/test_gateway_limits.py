@@ -163,7 +163,7 @@ def test_nothing_serving_is_503_at_once_except_for_a_model_scaling_from_zero(sta
 
 @pytest.mark.parametrize("share, expected", [(0.5, {"a": 2, "b": 2}), (0.25, {"a": 1, "b": 1})])
 def test_group_limits_policy(share, expected):
-    from exaserve_hpc.router.gateway import group_limits
+    from exaserve_hpc.gateway.app import group_limits
     groups = [{"name": "a", "api_keys": ["ka"]}, {"name": "b", "api_keys": ["kb"]}]
     assert group_limits(make_site(gateway={"max_queued_requests": 4, "group_share": share},
                                   quota_groups=groups)) == expected

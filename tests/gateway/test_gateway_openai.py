@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MAX_SEQ_LEN, MODEL, make_site
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
-from exaserve_hpc.router.backend import BackendError
+from exaserve_hpc.gateway.backend import BackendError
 
 TOKENIZER = ByteTokenizer()
 

@@ -13,8 +13,8 @@ from conftest import MODEL, make_site
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.quota.keys import hash_key
 from exaserve_hpc.quota.ledger import UsageLedger, read_usage, summarize
-from exaserve_hpc.router.backend import ModelInfo
-from exaserve_hpc.router.gateway import create_app
+from exaserve_hpc.gateway.backend import ModelInfo
+from exaserve_hpc.gateway.app import create_app
 from fake_backend import FakeBackend
 
 CLIMATE, BIO = "exa-climate-key-0123456789abcdef", "exa-bio-key-0123456789abcdef01"

@@ -1,4 +1,4 @@
-"""The gateway's connection guard (router/http_limits.py) on its own: the cap closes the oldest idle
+"""The gateway's connection guard (gateway/http_limits.py) on its own: the cap closes the oldest idle
 connection, refuses with a 503 when every one is busy, holds one peer to its share, and the sweep closes
 idle and slow connections after their timeouts. The whole door, through processes: test_serve_http_limits.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from exaserve_hpc.router.http_limits import ConnectionGuard, HttpLimits
+from exaserve_hpc.gateway.http_limits import ConnectionGuard, HttpLimits
 
 
 class Transport:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exaserve_hpc.router.admission import Admission, ApiError, TokenBudget
+from exaserve_hpc.gateway.admission import Admission, ApiError, TokenBudget
 
 
 def test_budget_refuses_until_usage_ages_out():

@@ -86,7 +86,7 @@ def test_serve_logs_json_lines_from_every_process_with_the_request_id(tmp_path):
     assert {"exaserve.controller", "exaserve.agent", "exaserve.replica"} <= loggers, sorted(loggers)
     assert len({entry["pid"] for entry in logged}) >= 3  # serve, its node agent, the replicas
     mine = [entry for entry in logged if entry.get("request_id") == rid]
-    assert mine and mine[0]["logger"] == "exaserve_hpc.router.gateway" and rid in mine[0]["msg"]
+    assert mine and mine[0]["logger"] == "exaserve_hpc.gateway.app" and rid in mine[0]["msg"]
     # Whatever is not a log line is the console's own output (progress, the serving banner), never a
     # text-format log line.
     assert not [line for line in lines if not line.startswith("{") and (" DEBUG " in line or " INFO " in line)]

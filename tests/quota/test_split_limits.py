@@ -10,7 +10,7 @@ import time
 import pytest
 
 from exaserve_hpc.quota.shares import ADMIT, GroupShare, SharePolicy, split_limit
-from exaserve_hpc.router.admission import Admission, ApiError
+from exaserve_hpc.gateway.admission import Admission, ApiError
 
 
 @pytest.mark.parametrize("gateways", range(1, 9))

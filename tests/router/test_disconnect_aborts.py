@@ -26,11 +26,11 @@ import zmq
 from exaserve_hpc.agent.node_agent import spawn_replica
 from exaserve_hpc.config import parse_site
 from exaserve_hpc.protocol import EngineSettings, StartReplica
-from exaserve_hpc.router.backend import ModelInfo
+from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.router.balancing import RoundRobin
-from exaserve_hpc.router.client import RouterClient
+from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
-from exaserve_hpc.router.gateway import create_app
+from exaserve_hpc.gateway.app import create_app
 from exaserve_hpc.router.zmq_router import ZmqRouter
 
 pytestmark = pytest.mark.process

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
 from exaserve_hpc.cache.manifest import verify_checkpoint
-from exaserve_hpc.router.admin_api import make_admin_router
+from exaserve_hpc.gateway.admin_api import make_admin_router
 from exaserve_hpc.router.canary import RolloutTable
 
 OTHER = 65534  # nobody: "another user"

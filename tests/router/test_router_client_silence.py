@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from exaserve_hpc.protocol import GenerateRequest, TokenChunk, decode, encode
-from exaserve_hpc.router.backend import BackendError, ModelInfo
-from exaserve_hpc.router.client import RouterClient
+from exaserve_hpc.gateway.backend import BackendError, ModelInfo
+from exaserve_hpc.gateway.router_client import RouterClient
 
 
 def test_a_silent_stream_gets_a_504_and_a_talking_one_does_not():

@@ -24,9 +24,9 @@ from exaserve_hpc.bootstrap import (
 from exaserve_hpc.protocol import (
     EngineSettings, GenerateRequest, ReplicaHello, StartReplica, TokenChunk, decode, encode,
 )
-from exaserve_hpc.router.backend import ModelInfo
+from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.router.balancing import RoundRobin
-from exaserve_hpc.router.client import RouterClient
+from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
 from test_kv_events_router import wait_for  # tests/router is on sys.path (pytest's rootdir-relative import)

@@ -20,9 +20,9 @@ from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
 from exaserve_hpc.engine.base import EngineRequest
 from exaserve_hpc.engine.reference import ReferenceEngine
 from exaserve_hpc.protocol import EngineSettings, GenerateRequest, StartReplica
-from exaserve_hpc.router.backend import ModelInfo
+from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.router.balancing import PowerOfTwo
-from exaserve_hpc.router.client import RouterClient
+from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
 

@@ -16,9 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exaserve_hpc.protocol import AgentHeartbeat, HeartbeatAck, ReplicaEvent, ReplicaStatus, StartReplica
-from exaserve_hpc.router.backend import ModelInfo
-from exaserve_hpc.router.client import RouterClient
-from exaserve_hpc.router.gateway import create_app
+from exaserve_hpc.gateway.backend import ModelInfo
+from exaserve_hpc.gateway.router_client import RouterClient
+from exaserve_hpc.gateway.app import create_app
 from exaserve_hpc.peer_guard import PeerGuard
 
 from tests.test_controller import MODEL, FakeAgent, context, make_controller, wait_for  # noqa: F401 (fixtures)

@@ -20,7 +20,7 @@ import zmq.asyncio
 from exaserve_hpc.protocol import (
     Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, TokenChunks, decode, encode, pack_request,
 )
-from exaserve_hpc.router.backend import BackendError, ModelInfo
+from exaserve_hpc.gateway.backend import BackendError, ModelInfo
 
 log = logging.getLogger(__name__)
 

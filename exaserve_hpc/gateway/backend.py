@@ -2,7 +2,7 @@
 
 The gateway speaks OpenAI's HTTP API and knows nothing about ZeroMQ,
 replicas or retries; it talks to a ``GatewayBackend``. In production that
-is the router client over ZeroMQ (router/client.py); in tests it is an
+is the router client over ZeroMQ (gateway/router_client.py); in tests it is an
 in-process fake (tests/gateway/fake_backend.py).
 """
 

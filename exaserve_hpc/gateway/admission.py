@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
 from exaserve_hpc.quota.shares import WHOLE, split_limit
-from exaserve_hpc.router import openai_api as api
-from exaserve_hpc.router.backend import BackendError
+from exaserve_hpc.gateway import openai_api as api
+from exaserve_hpc.gateway.backend import BackendError
 
 _OVERLOAD_RETRY_AFTER = 1.0  # seconds; a slot frees as soon as any in-flight request ends
 

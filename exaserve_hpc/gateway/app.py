@@ -31,14 +31,14 @@ from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError
 from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.quota.keys import KeyRing, plaintext_warnings
-from exaserve_hpc.router import openai_api as api
+from exaserve_hpc.gateway import openai_api as api
 from exaserve_hpc.router.policies import policy_class
-from exaserve_hpc.router.admission import (
+from exaserve_hpc.gateway.admission import (
     Admission, ApiError, BodyLimit, from_backend_error, internal_error, error_response,
 )
-from exaserve_hpc.router.backend import BackendError, GatewayBackend, ModelInfo
-from exaserve_hpc.router.model_tokenizers import ModelTokenizers
-from exaserve_hpc.router.generation import (
+from exaserve_hpc.gateway.backend import BackendError, GatewayBackend, ModelInfo
+from exaserve_hpc.gateway.model_tokenizers import ModelTokenizers
+from exaserve_hpc.gateway.generation import (
     CHAT, COMPLETIONS, Generation, StopGate, collect_unless_disconnected, json_answer, sse_events,
 )
 
@@ -106,7 +106,7 @@ def share_policy(site: SiteConfig) -> dict:
 
 def site_admission(site: SiteConfig, ledger=None, part: tuple[int, int] = (0, 1)) -> Admission:
     """The admission of the site's limits and quota groups. ``part``: (this gateway, gateways) when each of
-    several gateways on different ranks holds a part of every limit (router/admission.py); a gateway
+    several gateways on different ranks holds a part of every limit (gateway/admission.py); a gateway
     process serving several gateways gives them all the one Admission this returns."""
     admission = Admission(site.gateway.max_queued_requests, group_limits(site),
                           {g.name: g.tokens_per_minute for g in site.quota_groups if g.tokens_per_minute is not None},
@@ -143,7 +143,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
 
     app = FastAPI(title="exaserve-hpc gateway", version="0.1.0",
                   description="OpenAI-compatible API of an exaserve-hpc deployment (site "
-                              f"{site.site!r}); see exaserve_hpc/router/openai_api.py for the supported subset.",
+                              f"{site.site!r}); see exaserve_hpc/gateway/openai_api.py for the supported subset.",
                   # With keys required the schema is served by the keyed route below, and no docs pages.
                   **(dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}))
     # The open generations, which a stop ends cleanly after gateway.stop_grace (control_plane_routing.py)

@@ -17,9 +17,9 @@ from fastapi import Request
 
 from exaserve_hpc import metrics
 from exaserve_hpc.protocol import GenerateRequest, TokenChunk
-from exaserve_hpc.router import openai_api as api
-from exaserve_hpc.router.admission import Ticket, internal_error
-from exaserve_hpc.router.backend import BackendError, GatewayBackend
+from exaserve_hpc.gateway import openai_api as api
+from exaserve_hpc.gateway.admission import Ticket, internal_error
+from exaserve_hpc.gateway.backend import BackendError, GatewayBackend
 
 log = logging.getLogger(__name__)
 
