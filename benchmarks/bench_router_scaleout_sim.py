@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from exaserve_hpc.config import load_site, parse_site  # noqa: E402
+from exaserve_hpc.config.schema import load_site, parse_site  # noqa: E402
 from exaserve_hpc.sim.routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S  # noqa: E402
 from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
 from exaserve_hpc.sim.workload import Workload, load_workload, parse_workload  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from exaserve_hpc.config import load_site, parse_site  # noqa: E402
+from exaserve_hpc.config.schema import load_site, parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, StartReplica  # noqa: E402
 from exaserve_hpc.scheduler.controller import Controller  # noqa: E402
 from exaserve_hpc.scheduler.autoscale import AutoscalePolicy, ModelLoad, ScalingHistory, autoscale  # noqa: E402

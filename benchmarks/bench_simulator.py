@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from exaserve_hpc.config import load_site  # noqa: E402
+from exaserve_hpc.config.schema import load_site  # noqa: E402
 from exaserve_hpc.sim.routers import ROUTER_COST_S  # noqa: E402
 from exaserve_hpc.sim.simulation import Simulation  # noqa: E402
 from exaserve_hpc.sim.workload import Fault, Workload, load_workload  # noqa: E402

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exaserve_hpc import __version__
-from exaserve_hpc.config import ConfigError, load_site, resolve_site
+from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 
 # Piped output (scripts, logs) gets wide tables rather than truncated cells.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)

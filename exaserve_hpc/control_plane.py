@@ -45,7 +45,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from exaserve_hpc import metrics
 from exaserve_hpc.agent import faults
 from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
     STOP_SIGNALS, ControlPlaneError, gateway_server, listen_socket, plane_gateway_app, plane_routers)
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state

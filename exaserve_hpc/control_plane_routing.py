@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Callable
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.router.breaker import BreakerSettings
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 

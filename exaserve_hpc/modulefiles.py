@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from exaserve_hpc import __version__
-from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.resources import data_path
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, install_block_hash_salt, make_curve_keys
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 
 ServeError = ControlPlaneError

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from exaserve_hpc.config import ClusterConfig, SiteConfig
+from exaserve_hpc.config.schema import ClusterConfig, SiteConfig
 from exaserve_hpc.units import parse_size
 
 DEFAULT_HOST_MEMORY = 64 * 2**30  # CPU node memory when neither the config nor the inventory says

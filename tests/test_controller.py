@@ -17,7 +17,7 @@ import yaml
 import zmq
 
 from exaserve_hpc.cache.manifest import write_manifest
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, GpuInfo, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
     ReplicaStatus, StartReplica, StopReplica, decode, encode,

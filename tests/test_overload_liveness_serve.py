@@ -44,7 +44,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. "
 
 
 def site(tmp: Path) -> Path:
-    from exaserve_hpc.config import GatewayConfig
+    from exaserve_hpc.config.schema import GatewayConfig
     gateway = {"max_queued_requests": QUEUED, "host": "127.0.0.1"}
     if "max_connections_per_client" in GatewayConfig.model_fields:  # every stream comes from 127.0.0.1
         gateway["max_connections_per_client"] = 4 * STREAMS

@@ -86,7 +86,7 @@ def in_process_plane(site_file: Path, tmp_path: Path):
     import uvicorn
 
     from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, install_block_hash_salt
-    from exaserve_hpc.config import load_site
+    from exaserve_hpc.config.schema import load_site
     from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
     from exaserve_hpc.serve import private_run_dir, run_keys
 

@@ -8,7 +8,7 @@ import json
 import os
 import socket
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.control_plane import write_state, written_by
 
 

@@ -7,7 +7,7 @@ weight staging, and checkpoint preparation under ``exaserve serve`` all read
 with its build function.
 
 Importing this module imports no engine: each build function imports its
-engine when a replica runs it, so ``config.py`` and the agent stay light and
+engine when a replica runs it, so ``config/schema.py`` and the agent stay light and
 an engine whose package is missing fails only where it is asked for.
 """
 

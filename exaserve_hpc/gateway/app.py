@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError
 from exaserve_hpc.observability import logs
 from exaserve_hpc.protocol import GenerateRequest

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError, load_tokenizer
 from exaserve_hpc.engine.registry import engine_spec
 

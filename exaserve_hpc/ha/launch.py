@@ -35,7 +35,7 @@ from exaserve_hpc.bootstrap import (
     CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, CurveKeys, JobDir, NodeInventory, RankInfo,
     curve_available, install_block_hash_salt, make_curve_keys, publish_controller,
 )
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.jobenv import JobEnvironment
 from exaserve_hpc.ha.adoption import former_leaders
 from exaserve_hpc.ha.election import Deposed, Election

@@ -65,7 +65,7 @@ def _number(value: Any) -> Optional[int]:
 
 def script_exclusions(script: str) -> list[str]:
     """Nodes a batch script's own `#SBATCH --exclude=` / `-x` directives exclude."""
-    from exaserve_hpc.slurm.hostlist import expand_hostlist
+    from exaserve_hpc.config.hostlist import expand_hostlist
     nodes: list[str] = []
     for line in script.splitlines():
         words = line.split()
@@ -138,7 +138,7 @@ class SlurmJobEnvironment(JobEnvironment):
 
     def requeue(self, exclude: Sequence[str], job_dir: Path) -> RequeueOutcome:
         from exaserve_hpc.slurm.client import SlurmError
-        from exaserve_hpc.slurm.hostlist import compress_hostlist
+        from exaserve_hpc.config.hostlist import compress_hostlist
         job = self.job_number
         try:
             if not exclude:

@@ -29,7 +29,7 @@ from exaserve_hpc.bootstrap import (
     exchange_inventories, install_block_hash_salt, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
     wait_for_controller, _mpi_comm,
 )
-from exaserve_hpc.config import SiteConfig, load_site, resolve_site
+from exaserve_hpc.config.schema import SiteConfig, load_site, resolve_site
 from exaserve_hpc.jobenv import JobEnvironment, detect_job_environment
 
 log = logging.getLogger("exaserve.launch")

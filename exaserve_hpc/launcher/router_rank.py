@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from exaserve_hpc.bootstrap import BootstrapError, ControllerInfo, CurveKeys, JobDir, RankInfo, wait_for_controller
 from exaserve_hpc.agent import faults
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 
 log = logging.getLogger("exaserve.launch")
 

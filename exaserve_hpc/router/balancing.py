@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Container, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
-    from exaserve_hpc.config import BatchingConfig, RouterConfig
+    from exaserve_hpc.config.schema import BatchingConfig, RouterConfig
 
 
 @dataclass(slots=True)  # slots: read on every routing decision

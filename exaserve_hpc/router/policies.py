@@ -12,7 +12,7 @@ from exaserve_hpc.router.affinity import PrefixAffinity
 from exaserve_hpc.router.balancing import LeastLoad, LeastTokens, PowerOfTwo, RoundRobin, RoutingPolicy
 
 if TYPE_CHECKING:
-    from exaserve_hpc.config import BatchingConfig, RouterConfig
+    from exaserve_hpc.config.schema import BatchingConfig, RouterConfig
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls for cls in (RoundRobin, LeastLoad, LeastTokens, PowerOfTwo, PrefixAffinity)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.topology import Topology
 from exaserve_hpc.scheduler.catalogue import ModelSpec
 from exaserve_hpc.scheduler.occupancy import Occupancy

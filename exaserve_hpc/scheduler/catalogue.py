@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
-from exaserve_hpc.config import ModelConfig, SiteConfig, TinyModelConfig
+from exaserve_hpc.config.schema import ModelConfig, SiteConfig, TinyModelConfig
 from exaserve_hpc.topology import Device
 from exaserve_hpc.units import format_size
 

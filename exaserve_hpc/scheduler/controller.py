@@ -45,7 +45,7 @@ import zmq
 from exaserve_hpc import metrics
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.node_agent import STOPPED_UNASKED
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica,
 )

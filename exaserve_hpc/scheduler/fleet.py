@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.registry import engine_settings, engine_spec
 from exaserve_hpc.protocol import StartReplica, StopReplica
 from exaserve_hpc.topology import Topology

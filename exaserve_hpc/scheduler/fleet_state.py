@@ -17,7 +17,7 @@ from typing import Optional
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.load_failover import NodeView
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
 from exaserve_hpc.scheduler.autoscale import ModelLoad
 from exaserve_hpc.scheduler.plan import Assignment, replica_index

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import AgentHello
 from exaserve_hpc.topology import Topology, topology_from_inventory
 from exaserve_hpc.scheduler.catalogue import ModelSpec, placement_order

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.topology import Topology, topology_from_site
 from exaserve_hpc.units import format_size
 from exaserve_hpc.scheduler.catalogue import ModelSpec, catalogue_from_site, placement_order

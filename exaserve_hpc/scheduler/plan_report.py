@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from exaserve_hpc.config import ConfigError, load_site, resolve_site
+from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 from exaserve_hpc.units import format_size
 from exaserve_hpc.topology import topology_from_site
 from exaserve_hpc.scheduler.capacity import placeable_replicas

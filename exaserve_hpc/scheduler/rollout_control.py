@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, pick_for_removal
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from exaserve_hpc import metrics
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.load_failover import NodeView, after_load_failure
 from exaserve_hpc.cache.prefetch import prefetch_plan
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import LoadFailed, Prefetch
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from exaserve_hpc.config import SiteConfig, parse_site
+from exaserve_hpc.config.schema import SiteConfig, parse_site
 from exaserve_hpc.scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.sim.workload import Workload, arrivals, workload_from_args

@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.timing import timings_for
 from exaserve_hpc.protocol import (
     Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from exaserve_hpc.slurm.hostlist import compress_hostlist
+from exaserve_hpc.config.hostlist import compress_hostlist
 from exaserve_hpc.slurm.parse import (
     JobInfo, NodeInfo, job_from_scontrol, node_from_scontrol, parse_sbatch_parsable, parse_scontrol_show,
     parse_sinfo_json, parse_squeue_json,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from exaserve_hpc.slurm.client import SlurmClient, SlurmError
-from exaserve_hpc.slurm.hostlist import compress_hostlist, expand_hostlist
+from exaserve_hpc.config.hostlist import compress_hostlist, expand_hostlist
 from exaserve_hpc.slurm.sbatch import default_launcher, render_sbatch
 
 log = logging.getLogger("exaserve.replacement")

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from exaserve_hpc.slurm.hostlist import expand_hostlist
+from exaserve_hpc.config.hostlist import expand_hostlist
 from exaserve_hpc.slurm.states import JobState, NodeState, job_state, node_state
 
 

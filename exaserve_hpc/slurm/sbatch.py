@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from exaserve_hpc.config import SiteConfig
+from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.resources import data_path
 
 TEMPLATE = data_path("sbatch/exaserve.sbatch")  # the checkout's, or the installed package's copy

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from exaserve_hpc.config import ConfigError, load_site, resolve_site
+from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 from exaserve_hpc.units import parse_duration, parse_size
 from exaserve_hpc.slurm.client import SlurmError, slurm_client
 from exaserve_hpc.slurm.sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch

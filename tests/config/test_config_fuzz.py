@@ -12,7 +12,7 @@ import time
 import pytest
 
 from exaserve_hpc import cli
-from exaserve_hpc.config import ConfigError, load_site
+from exaserve_hpc.config.schema import ConfigError, load_site
 
 from tests.config.fuzz_corpus import ROOT, write_corpus
 
@@ -107,7 +107,7 @@ def test_the_shipped_site_files_still_pass():
 
 
 def test_a_file_past_the_size_limit_is_refused_unread_and_one_just_under_it_answers_in_seconds(tmp_path):
-    from exaserve_hpc.config_bounds import MAX_FILE_BYTES
+    from exaserve_hpc.config.bounds import MAX_FILE_BYTES
     big = tmp_path / "big.yaml"
     big.write_text("site: b\nx:\n" + "- a\n" * (MAX_FILE_BYTES // 4))
     with pytest.raises(ConfigError) as caught:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exaserve_hpc.config import ConfigError, load_site, parse_site, resolve_site
+from exaserve_hpc.config.schema import ConfigError, load_site, parse_site, resolve_site
 
 SITES = Path(__file__).resolve().parents[2] / "site-configs"
 MINIMAL = {"site": "t", "models": [{"model_name": "m"}]}

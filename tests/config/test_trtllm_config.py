@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.config import ConfigError, load_site, parse_site
+from exaserve_hpc.config.schema import ConfigError, load_site, parse_site
 from exaserve_hpc.engine.registry import engine_settings
 from exaserve_hpc.engine.trtllm_backend import ACTIVATION_RESERVE, ACTIVATION_RESERVE_MIN, llm_args
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from exaserve_hpc.slurm.hostlist import compress_hostlist, expand_hostlist
+from exaserve_hpc.config.hostlist import compress_hostlist, expand_hostlist
 from exaserve_hpc.units import format_size, parse_duration, parse_size
 
 

@@ -58,7 +58,7 @@ def test_an_engine_whose_package_is_missing_names_the_install(monkeypatch):
 
 def test_config_allows_the_registry_engines_and_check_warns_for_a_missing_package(monkeypatch, capsys):
     from exaserve_hpc import cli
-    from exaserve_hpc.config import ConfigError, parse_site
+    from exaserve_hpc.config.schema import ConfigError, parse_site
 
     with pytest.raises(ConfigError, match="allowed: 'reference', 'echo', 'timing' or 'trtllm'"):
         parse_site({"site": "x", "models": [{"model_name": "a", "engine": "vllm"}]})
@@ -74,7 +74,7 @@ def test_config_allows_the_registry_engines_and_check_warns_for_a_missing_packag
 
 
 def test_engine_settings_carry_the_site_into_what_each_engine_takes():
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     site = parse_site({"site": "x", "batching": {"max_batch_size": 16, "prefill_chunk_tokens": 256},
                        "router": {"policy": "prefix_affinity", "prefix_mode": "precise", "block_size": 32},
                        "models": [{"model_name": "a", "engine": "reference", "max_seq_len": 512},
@@ -104,7 +104,7 @@ def test_a_replica_publishes_kv_events_where_its_router_can_subscribe(monkeypatc
 
 
 def test_config_check_warns_when_precise_mode_meets_an_engine_without_kv_events():
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     site = parse_site({"site": "x", "router": {"policy": "prefix_affinity", "prefix_mode": "precise"},
                        "models": [{"model_name": "a", "engine": "reference"}, {"model_name": "b", "engine": "echo"}]})
     assert site.engine_warnings() == ["models[1].engine: echo publishes no KV events, so router.prefix_mode precise "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from exaserve_hpc.config import BatchingConfig, ModelConfig
+from exaserve_hpc.config.schema import BatchingConfig, ModelConfig
 from exaserve_hpc.engine.base import Engine, EngineError, EngineRequest
 from exaserve_hpc.engine.block_manager import prompt_block_hashes
 from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch

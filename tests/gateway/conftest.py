@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from exaserve_hpc.config import SiteConfig, parse_site
+from exaserve_hpc.config.schema import SiteConfig, parse_site
 from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.gateway.app import create_app
 from fake_backend import FakeBackend

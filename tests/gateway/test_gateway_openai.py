@@ -470,7 +470,7 @@ def test_status_endpoint_returns_backend_status(gateway):
 
 
 def test_the_gateway_hashes_prompts_for_a_prefix_affinity_router(start_gateway):
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     from exaserve_hpc.router.affinity import AffinitySettings
     site = parse_site({"site": "gateway-test", "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN, "engine": "echo"}],
                        "router": {"policy": "prefix_affinity", "block_size": 8}})

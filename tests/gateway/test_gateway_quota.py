@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import MODEL, make_site
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.quota.keys import hash_key
 from exaserve_hpc.quota.ledger import UsageLedger, read_usage, summarize
 from exaserve_hpc.gateway.backend import ModelInfo

@@ -2,7 +2,7 @@
 
 import pytest
 
-from exaserve_hpc.config import HaConfig
+from exaserve_hpc.config.schema import HaConfig
 from exaserve_hpc.ha.lease_policy import (
     LeaderAction, LeaseTiming, act_deadline, default_renew_interval, lease_problems, leader_decision, margin_for,
     seconds_left,
@@ -65,7 +65,7 @@ def test_site_config_checks_the_bounds():
 
 
 def test_etcd_settings_one_source():
-    from exaserve_hpc.config import EtcdConfig
+    from exaserve_hpc.config.schema import EtcdConfig
     assert EtcdConfig(members=3).members == 3
     assert EtcdConfig(endpoints=["http://etcd1:2379"]).endpoints == ["http://etcd1:2379"]
     for bad, match in (({}, "exactly one of members"), ({"members": 2}, "members is 2; allowed: 1, 3 or 5"),

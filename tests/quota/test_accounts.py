@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.quota.accounts import AccountError, account_problems, check_accounts, parse_column
 
 SITE = parse_site({"site": "s", "models": [{"model_name": "m"}],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.quota.accounts import AccountError, check_accounts
 
 pytestmark = pytest.mark.slurm

@@ -79,7 +79,7 @@ def test_keys_add_prints_the_key_once_and_stores_only_its_hash(tmp_path):
     bio = cli("keys", "add", "bio", "--site", str(tmp_path / "site.yaml"))
     assert bio.returncode == 0 and hash_key(bio.stdout.strip()) in bio.stderr and bio.stdout.strip() not in bio.stderr
     site["quota_groups"][1]["api_key_hashes"] = [hash_key(bio.stdout.strip())]
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     ring = KeyRing.from_site(parse_site(site))
     assert ring.group_of(keys[1]) == "climate" and ring.group_of(bio.stdout.strip()) == "bio"
     unknown = cli("keys", "add", "physics", "--site", str(tmp_path / "site.yaml"))
@@ -87,7 +87,7 @@ def test_keys_add_prints_the_key_once_and_stores_only_its_hash(tmp_path):
 
 
 def test_config_refuses_a_malformed_hash_and_visible_to_an_unknown_group():
-    from exaserve_hpc.config import ConfigError, parse_site
+    from exaserve_hpc.config.schema import ConfigError, parse_site
     with pytest.raises(ConfigError, match=r"api_key_hashes"):
         parse_site({"site": "s", "models": [{"model_name": "m"}],
                     "quota_groups": [{"name": "g", "api_key_hashes": ["md5:abc"]}]})

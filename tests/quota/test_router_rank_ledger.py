@@ -9,7 +9,7 @@ import time
 import pytest
 
 from exaserve_hpc.bootstrap import JobDir, RankInfo
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.launcher.router_rank import gateway_app
 from exaserve_hpc.quota.ledger import UsageLedger, UsageRecord, ledger_dir

@@ -59,7 +59,7 @@ def test_an_older_amount_is_decayed_to_the_groups_time_and_the_usage_is_not_deca
 
 
 def test_config_refuses_guarantees_over_one_and_a_ceiling_below_the_guarantee():
-    from exaserve_hpc.config import ConfigError, parse_site
+    from exaserve_hpc.config.schema import ConfigError, parse_site
     base = {"site": "s", "models": [{"model_name": "m"}]}
     with pytest.raises(ConfigError, match="guaranteed_share add up to 1.2; at most 1"):
         parse_site({**base, "quota_groups": [{"name": "a", "guaranteed_share": 0.6},

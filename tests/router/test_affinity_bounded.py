@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from exaserve_hpc.config import ConfigError, parse_site
+from exaserve_hpc.config.schema import ConfigError, parse_site
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, TokenChunk
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
 from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettings, shift_prefilling

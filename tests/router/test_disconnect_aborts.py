@@ -24,7 +24,7 @@ import uvicorn
 import zmq
 
 from exaserve_hpc.agent.node_agent import spawn_replica
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import EngineSettings, StartReplica
 from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.router.balancing import RoundRobin

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.engine.kv_events import BlockStored
 from exaserve_hpc.protocol import ReplicaHello
 from exaserve_hpc.router.balancing import Decision, ReplicaLoad, RoutingPolicy

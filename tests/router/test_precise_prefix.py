@@ -12,7 +12,7 @@ import zmq
 
 from exaserve_hpc.agent.node_agent import spawn_replica
 from exaserve_hpc.cache.checkpoint import create_tiny_checkpoint
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import EngineSettings, GenerateRequest, RequestError, StartReplica, decode, encode
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.policies import policy_for_site

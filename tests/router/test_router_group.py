@@ -156,7 +156,7 @@ def test_an_elected_leaders_group_adopts_the_other_ranks_routers_and_keeps_its_o
     group leaves rank 1's router running (its lifetime is the rank's)."""
     from types import SimpleNamespace
 
-    from exaserve_hpc.config import SiteConfig
+    from exaserve_hpc.config.schema import SiteConfig
     from exaserve_hpc.several_routers import SeveralRouters, router_file, run_tag
 
     site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 3, "nodelist": "n[1-3]"},
@@ -286,7 +286,7 @@ def test_a_hello_lacking_a_router_is_answered_with_every_router():
 def test_every_router_kind_is_a_router_port_and_routing_follows_its_loops(context):
     """router/port.py: ZmqRouter, RouterGroup and SimRouters implement one RouterPort (what the controller
     uses; nothing probes them with getattr); a group routes while any member does."""
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     from exaserve_hpc.router.port import RouterPort
     from exaserve_hpc.sim.routers import SimRouters
     import yaml

@@ -126,7 +126,7 @@ def test_a_router_bound_to_every_interface_is_published_under_the_node_name():
     """Agents and replicas on other nodes get this endpoint: they cannot connect to 0.0.0.0."""
     import socket as pysocket
 
-    from exaserve_hpc.config import RouterConfig
+    from exaserve_hpc.config.schema import RouterConfig
     from exaserve_hpc.router.zmq_router import bind
     assert RouterConfig().bind_host(across_nodes=False) == "127.0.0.1"
     assert RouterConfig().bind_host(across_nodes=True) == "0.0.0.0"

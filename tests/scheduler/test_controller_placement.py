@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import (
     AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, StartReplica, StopReplica,
 )

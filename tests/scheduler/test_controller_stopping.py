@@ -4,7 +4,7 @@ Slurm every task gets the signal, and agents may drain first: "stopped by n2 wit
 
 from __future__ import annotations
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StartReplica
 from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.router.port import RouterPortStub

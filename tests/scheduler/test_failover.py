@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.config import load_site, parse_site
+from exaserve_hpc.config.schema import load_site, parse_site
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.failover import failover, failover_fault_group
 from exaserve_hpc.scheduler.invariants import plan_violations

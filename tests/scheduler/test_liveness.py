@@ -92,7 +92,7 @@ def test_replica_threads_reads_the_blas_variables():
 
 import yaml  # noqa: E402
 
-from exaserve_hpc.config import parse_site  # noqa: E402
+from exaserve_hpc.config.schema import parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
 from exaserve_hpc.scheduler.controller import Controller  # noqa: E402
 from exaserve_hpc.router.port import RouterPortStub

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.memory_pool import MemoryPool
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, MemoryPoolStatus
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord

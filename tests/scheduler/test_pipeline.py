@@ -4,7 +4,7 @@ moving the whole replica to a new attempt on live nodes."""
 
 from __future__ import annotations
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import (
     AgentHello, MemoryPoolStatus, ReplicaEvent, StageHello, StageTable, StartReplica,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.failover import failover
 from exaserve_hpc.scheduler.invariants import plan_violations

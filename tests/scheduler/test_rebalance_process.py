@@ -17,7 +17,7 @@ import uuid
 import yaml
 import zmq
 
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.control_plane import ensure_checkpoints
 from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
 from exaserve_hpc.engine.tokenizer import ByteTokenizer

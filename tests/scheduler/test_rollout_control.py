@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.cache.manifest import write_manifest
-from exaserve_hpc.config import parse_site
+from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.gateway.admin_api import make_admin_router
 from exaserve_hpc.router.canary import RolloutTable
 from exaserve_hpc.scheduler.fleet_state import ReplicaRecord

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from exaserve_hpc import cli
-from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.engine.timing import timings_for
 from exaserve_hpc.scheduler import autoscale
 from exaserve_hpc.sim.capacity_check import sized_site
@@ -24,7 +24,7 @@ def small_site(**router):
         return site
     data = site.model_dump(mode="json", exclude_none=True)
     data["router"].update(router)
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     return parse_site(data)
 
 

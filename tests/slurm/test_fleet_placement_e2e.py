@@ -24,7 +24,7 @@ import yaml
 
 from exaserve_hpc.cache.model_import import import_model
 from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
-from exaserve_hpc.config import load_site
+from exaserve_hpc.config.schema import load_site
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
 from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.jobenv import SlurmJobEnvironment
 from exaserve_hpc.launcher.requeue_watch import RequeueWatch
 from exaserve_hpc.scheduler.replacement_policy import replacement_decision

@@ -231,7 +231,7 @@ def test_a_stop_file_from_this_run_stops_it(tmp_path):
 def test_requeue_triggers_are_site_keys_that_the_launch_flags_override():
     import argparse
 
-    from exaserve_hpc.config import parse_site
+    from exaserve_hpc.config.schema import parse_site
     from exaserve_hpc.launcher.rank import add_launch_arguments, requeue_policy
 
     site = parse_site({"site": "t", "models": [{"model_name": "m"}],

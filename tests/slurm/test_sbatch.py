@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exaserve_hpc.config import load_site
+from exaserve_hpc.config.schema import load_site
 from exaserve_hpc.slurm.sbatch import SbatchOptionError, options_from_site, render_sbatch, slurm_duration
 
 ROOT = Path(__file__).resolve().parents[2]

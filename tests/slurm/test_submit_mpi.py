@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from exaserve_hpc import cli
-from exaserve_hpc.config import load_site, resolve_site
+from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.slurm import submit
 
 

@@ -18,8 +18,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from exaserve_hpc.engine.registry import ENGINE_NAMES, engine_publishes_kv_events, engine_spec, unavailable_engines
 from exaserve_hpc.router.policies import POLICY_NAMES
-from exaserve_hpc.config_bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
-from exaserve_hpc.slurm.hostlist import expand_hostlist
+from exaserve_hpc.config.bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
+from exaserve_hpc.config.hostlist import expand_hostlist
 from exaserve_hpc.units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
 
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description=DURATION_FORMS)]
@@ -206,7 +206,7 @@ class ClusterConfig(_Section):
     @classmethod
     def _hostlist_bounded(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
-            expand_hostlist(value)  # bounded before expanding (slurm/hostlist.py); the error names this key
+            expand_hostlist(value)  # bounded before expanding (config/hostlist.py); the error names this key
         return value
 
     @field_validator("fault_groups")
@@ -677,7 +677,7 @@ def parse_site(data: Any, source: str = "<config>") -> SiteConfig:
 
 def load_site(path: str | os.PathLike) -> SiteConfig:
     """Read and validate a site config file; ConfigError lists every problem. Bounded whatever the file
-    holds (config_bounds.py): its size, nesting, alias expansion and integers are checked as it is read."""
+    holds (config/bounds.py): its size, nesting, alias expansion and integers are checked as it is read."""
     path = Path(path)
     try:
         text = read_config_text(path)
