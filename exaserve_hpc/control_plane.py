@@ -260,7 +260,7 @@ class ControlPlane:
             return
         from exaserve_hpc.agent.gpu_binding import GpuGrantError
         from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
-        from exaserve_hpc.bootstrap import secure_client
+        from exaserve_hpc.transport import secure_client
         try:
             agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
                               l2_capacity=site.weight_cache.l2_capacity,

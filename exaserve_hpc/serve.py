@@ -9,7 +9,7 @@ drains and stops every replica, and exits 0 once every child has exited.
 Other users of this machine are kept out (loopback is not private on a shared login node): the run
 directory is made 0700, and CURVE keys made for this run in RUN_DIR/keys (0600) make the router's
 frontend and backend, the controller and the replicas' pipeline-stage links admit only this run's
-client key, which the agent, the gateway and the replicas read from there (bootstrap.py). A peer
+client key, which the agent, the gateway and the replicas read from there (transport.py). A peer
 without it is refused at the handshake and logged once per key.
 """
 
@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, curve_available, install_block_hash_salt, make_curve_keys
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, make_curve_keys
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 

@@ -136,7 +136,7 @@ class RouterDiscovery:
         joined = False
         with self._lock:
             self._next = self.clock() + DISCOVER_EVERY
-            from exaserve_hpc.bootstrap import JobDir
+            from exaserve_hpc.jobdir import JobDir
             from exaserve_hpc.ha.adoption import adopt
             from exaserve_hpc.router.router_link import RemoteRouter
             for rank in sorted(self.missing):

@@ -17,7 +17,8 @@ import openai
 import pytest
 import zmq
 
-from exaserve_hpc.bootstrap import JobDir, load_client_keys, secure_client
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.transport import load_client_keys, secure_client
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, HeartbeatAck, ReplicaStatus, decode, encode
 
 from serve_harness import start_serve, stop_serve, write_local_site

@@ -85,7 +85,8 @@ def in_process_plane(site_file: Path, tmp_path: Path):
     gateway 0 served on a thread: (plane, gateway 0's server, the signal handlers to put back)."""
     import uvicorn
 
-    from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, install_block_hash_salt
+    from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE
+    from exaserve_hpc.engine.block_manager import install_block_hash_salt
     from exaserve_hpc.config.schema import load_site
     from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
     from exaserve_hpc.serve import private_run_dir, run_keys

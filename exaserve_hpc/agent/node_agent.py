@@ -571,7 +571,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GpuGrantError as exc:
         print(f"exaserve-agent: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_GRANT
-    from exaserve_hpc.bootstrap import replica_client_keys, secure_client
+    from exaserve_hpc.transport import replica_client_keys, secure_client
     keys = replica_client_keys(os.environ)  # `exaserve serve` names its run directory: the controller is CURVE
     if keys is not None:
         secure_client(agent.socket, keys)

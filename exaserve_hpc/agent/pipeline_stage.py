@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import zmq
 
-from exaserve_hpc.bootstrap import replica_client_keys, secure_client
+from exaserve_hpc.transport import replica_client_keys, secure_client
 from exaserve_hpc.cache.tiers import load_weights
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers

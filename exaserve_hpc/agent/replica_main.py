@@ -34,7 +34,8 @@ import signal
 import socket as pysocket
 import sys
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Mapping, Optional
 
 import zmq
 
@@ -42,7 +43,9 @@ from exaserve_hpc.protocol import (
     Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
     StartReplica, TokenChunk, decode,
 )
-from exaserve_hpc.bootstrap import replica_client_keys, replica_kv_event_keys
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, load_client_keys, replica_client_keys
 from exaserve_hpc.engine.kv_events import secure_publishers
 from exaserve_hpc.cache.tiers import load_weights
 from exaserve_hpc.engine.base import EngineError
@@ -341,6 +344,19 @@ def build_replica_engine(spec: StartReplica, args: argparse.Namespace, reporter:
     engine = make_engine(spec, weights, kv_events_endpoint=kv_events_bind(spec.router_backend),
                          kv_events_tokens=False)
     return engine, kv_events_announced(engine.kv_events_endpoint)
+
+def replica_kv_event_keys(env: Mapping[str, str]) -> Optional[CurveKeys]:
+    """A replica's KV-event publisher keys: a key pair of its own (its public key goes out in its hello,
+    over the router's CURVE backend) admitting only the run's client key, which the router holds; with the
+    run's block-hash salt installed in this process. None (and unsalted hashes) without the run's keys."""
+    path = env.get(CURVE_JOB_DIR_VARIABLE)
+    if not path:
+        return None
+    jobdir = JobDir(Path(path))
+    client = load_client_keys(jobdir)
+    install_block_hash_salt(jobdir)
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public, secret, client.client_public, b"")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -69,7 +69,7 @@ class RouterLinks:
         return len(self.sockets) > 1
 
     def _open(self, endpoint: str) -> int:
-        from exaserve_hpc.bootstrap import secure_client
+        from exaserve_hpc.transport import secure_client
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 2000)

@@ -40,6 +40,8 @@ from typing import Protocol
 import numpy as np
 
 from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.transport import run_salt
 
 ROOT_HASH = 0x6578617365727665  # b"exaserve": parent of a sequence's first block
 
@@ -48,7 +50,7 @@ _SALT = b""  # this process's block-hash key: the run's secret salt (set_block_h
 
 
 def set_block_hash_salt(salt: bytes) -> None:
-    """Key every block hash of this process with the run's salt (``bootstrap.install_block_hash_salt``).
+    """Key every block hash of this process with the run's salt (``install_block_hash_salt``).
 
     Block names leave the replica in KV events; unsalted, a guess of a prompt can be checked against them
     offline (a 4-digit secret in a known template falls to 10,000 hashes). Keyed blake2b with a per-run
@@ -371,3 +373,12 @@ class BlockManager:
             else:
                 assert self.block_tokens[block_id] is None and self.block_hits[block_id] == 0
         assert len(self._cached) == sum(h is not None for h in self.block_hash)
+
+
+def install_block_hash_salt(jobdir: JobDir) -> bytes:
+    """Key this process's block hashes (engines, the router's and gateway's prompt hashers) with the run's
+    salt. Call it before any engine, router or gateway is made: replicas, router and gateway of one run must
+    hash alike for precise prefix routing, and differently from every other run. Returns the salt."""
+    salt = run_salt(jobdir)
+    set_block_hash_salt(salt)
+    return salt

@@ -30,6 +30,9 @@ import time
 from typing import Union
 
 import msgspec
+import zmq
+
+from exaserve_hpc.transport import secure_server
 
 
 class BlockStored(msgspec.Struct, tag="stored", frozen=True):
@@ -70,13 +73,13 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
-_PUBLISHER_CURVE = None  # bootstrap.CurveKeys for every publisher of this process (secure_publishers)
+_PUBLISHER_CURVE = None  # transport.CurveKeys for every publisher of this process (secure_publishers)
 
 
 def secure_publishers(keys) -> None:
     """Make every KVEventPublisher created after this in this process a CURVE server.
 
-    ``keys``: a ``bootstrap.CurveKeys`` whose server pair is the publisher's (the replica's own) and whose
+    ``keys``: a ``transport.CurveKeys`` whose server pair is the publisher's (the replica's own) and whose
     ``client_public`` is the only subscriber key admitted (the run's client key, the router's); None: plain
     sockets again. Engines create their publisher themselves, so the replica sets this before building one."""
     global _PUBLISHER_CURVE
@@ -94,12 +97,11 @@ _DEFAULT = object()
 class KVEventPublisher:
     """Binds a PUB socket on ``endpoint`` (e.g. ``tcp://*:5557``).
 
-    ``curve``: bootstrap.CurveKeys making it a CURVE server that admits only ``curve.client_public``;
+    ``curve``: transport.CurveKeys making it a CURVE server that admits only ``curve.client_public``;
     default: this process's (``secure_publishers``), None: plain."""
 
     def __init__(self, endpoint: str, topic: str = "kv-events", replica_id: str = "",
                  high_water_mark: int = 100_000, with_tokens: bool = True, curve=_DEFAULT) -> None:
-        import zmq  # the transport seam: only this class touches ZeroMQ
 
         self._zmq = zmq
         self._context = zmq.Context.instance()
@@ -112,7 +114,6 @@ class KVEventPublisher:
         self._zap = None
         self.server_public_key = ""  # Z85; "" when plain
         if curve is not None:
-            from exaserve_hpc.bootstrap import secure_server
             self._zap = secure_server(self._socket, curve, self._context, "kv events")
             self.server_public_key = curve.server_public.decode()
         try:

@@ -113,7 +113,7 @@ class ZmqStageLink:
         self._zap = None
         self.inbound = self._socket(zmq.PULL)
         if curve is not None:
-            from exaserve_hpc.bootstrap import CurveKeys, secure_server
+            from exaserve_hpc.transport import CurveKeys, secure_server
             # Stages are peers holding the same job client keypair: each end proves it has the secret.
             own = CurveKeys(curve.client_public, curve.client_secret, curve.client_public, curve.client_secret)
             self._zap = secure_server(self.inbound, own, self.context, "stage link")
@@ -146,7 +146,7 @@ class ZmqStageLink:
         self.outbound.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not (or no longer) connected
         self.outbound.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
         if self.curve is not None:
-            from exaserve_hpc.bootstrap import CurveKeys, secure_client
+            from exaserve_hpc.transport import CurveKeys, secure_client
             c = self.curve
             secure_client(self.outbound, CurveKeys(c.client_public, b"", c.client_public, c.client_secret))
         self._monitors.append((self.outbound.get_monitor_socket(WATCHED), stage_name(self.next, self.nodes),

@@ -4,7 +4,7 @@ One asyncio task reads every reply and hands it to the queue of the request
 it belongs to; `stream()` sends a GenerateRequest and yields that request's
 chunks. Closing the stream early (client gone, stop string matched) sends an
 Abort so the replica stops spending work on it. With `curve` (the job's
-bootstrap.CurveKeys) the socket is a CURVE client of the router's frontend.
+transport.CurveKeys) the socket is a CURVE client of the router's frontend.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class RouterClient:
         # As deep as the router's send side (zmq_router.GATEWAY_HWM): bursts wait in libzmq, not in its backlog.
         self._socket.setsockopt(zmq.RCVHWM, 10_000)
         if self.curve is not None:
-            from exaserve_hpc.bootstrap import secure_client
+            from exaserve_hpc.transport import secure_client
             secure_client(self._socket, self.curve)
         self._socket.connect(self.endpoint)
         loop = asyncio.get_running_loop()

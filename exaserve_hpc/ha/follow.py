@@ -14,7 +14,10 @@ import logging
 import threading
 from typing import Optional
 
-from exaserve_hpc.bootstrap import ControllerInfo, JobDir, RankInfo, load_client_keys
+from exaserve_hpc.bootstrap import ControllerInfo
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.transport import load_client_keys
 
 log = logging.getLogger("exaserve.ha")
 

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Optional
 
 from exaserve_hpc.addresses import AddressError, resolve_listen
-from exaserve_hpc.bootstrap import (
-    CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, CurveKeys, JobDir, NodeInventory, RankInfo,
-    curve_available, install_block_hash_salt, make_curve_keys, publish_controller,
-)
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, curve_available, make_curve_keys
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, publish_controller
+from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.jobenv import JobEnvironment
 from exaserve_hpc.ha.adoption import former_leaders

@@ -9,13 +9,48 @@ replacement nodes. Every method that asks the batch system may raise JobEnvError
 from __future__ import annotations
 
 import abc
+import enum
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from exaserve_hpc.bootstrap import MPI_RANK_VARIABLES, BootstrapError, RankInfo, _mpi_comm, under_mpi
+from exaserve_hpc.jobdir import BootstrapError
+
+# ---------------------------------------------------------------- which rank this process is
+
+MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+
+
+class Role(enum.Enum):
+    CONTROLLER = "controller"  # rank 0: controller thread, router, gateway; also the agent of its own node
+    AGENT = "agent"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    size: int
+    node: str          # Slurm node name (SLURMD_NODENAME), else the hostname
+    job_id: str        # SLURM_JOB_ID, "local" outside Slurm
+    restart: int       # SLURM_RESTART_COUNT: 0 first run, +1 per requeue
+    source: str        # "mpi", "slurm" or "local"
+
+
+def role_for(rank: int) -> Role:
+    return Role.CONTROLLER if rank == 0 else Role.AGENT
+
+
+def under_mpi(env: Mapping[str, str]) -> bool:
+    """Launched by mpirun/mpiexec? Only then do we import mpi4py (its import initialises MPI)."""
+    return any(v in env for v in MPI_RANK_VARIABLES)
+
+
+def _mpi_comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
 
 # Set in a successor job's script: the job directory whose checkpoint the successor restores.
 RESUME_VARIABLE = "EXASERVE_RESUME_DIR"

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from exaserve_hpc.bootstrap import (
-    CURVE_JOB_DIR_VARIABLE, BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, curve_available,
-    exchange_inventories, install_block_hash_salt, load_client_keys, make_curve_keys, publish_controller, role_for, secure_client,
-    wait_for_controller, _mpi_comm,
-)
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, load_client_keys, make_curve_keys, secure_client
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, exchange_inventories, publish_controller, wait_for_controller
+from exaserve_hpc.jobenv.base import RankInfo, Role, role_for, _mpi_comm
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.config.schema import SiteConfig, load_site, resolve_site
 from exaserve_hpc.jobenv import JobEnvironment, detect_job_environment
 

@@ -33,7 +33,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from exaserve_hpc.bootstrap import BootstrapError, ControllerInfo, CurveKeys, JobDir, RankInfo, wait_for_controller
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.bootstrap import ControllerInfo, wait_for_controller
+from exaserve_hpc.transport import CurveKeys
+from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.agent import faults
 from exaserve_hpc.config.schema import SiteConfig
 
@@ -49,7 +52,7 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
     try:
         found = CurveKeys(info.server_public_key.encode(), (keys / "server.key").read_bytes(),
                           (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
-        from exaserve_hpc.bootstrap import install_block_hash_salt
+        from exaserve_hpc.engine.block_manager import install_block_hash_salt
         install_block_hash_salt(jobdir)  # this router and its gateway hash prompts as the job's replicas do
         return found
     except OSError as exc:
@@ -161,7 +164,7 @@ def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: J
     """This node's agent, as an agent rank makes it (launcher/rank.py): the controller's client, its
     replicas reading the job's keys from the job directory."""
     from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
-    from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, secure_client
+    from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, secure_client
     agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
                       l2_capacity=site.weight_cache.l2_capacity,
                       l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),

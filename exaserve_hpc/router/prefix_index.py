@@ -76,7 +76,7 @@ class EngineBlockHasher:
     """The engine's block names (`block_manager.hash_block_tokens`), for precise mode.
 
     Keyed with the run's salt as the engines are (``salt``: None = this process's, which
-    `bootstrap.install_block_hash_salt` sets from the run's keys before the router and gateway are
+    `engine/block_manager.install_block_hash_salt` sets from the run's keys before the router and gateway are
     made). ``scheme`` names the salt by a short tag derived from it (not the salt), so hashes made
     under another run's salt are never taken for ours."""
 

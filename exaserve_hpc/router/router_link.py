@@ -74,7 +74,7 @@ class RouterControl:
         self.socket.setsockopt(zmq.LINGER, 0)
         self._zap = None
         if curve is not None:
-            from exaserve_hpc.bootstrap import secure_server
+            from exaserve_hpc.transport import secure_server
             self._zap = secure_server(self.socket, curve, self.context, "router control")
         self.endpoint = bind(self.socket, host, port)
         self._stop = threading.Event()
@@ -187,7 +187,7 @@ class RemoteRouter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         if self._curve is not None:
-            from exaserve_hpc.bootstrap import secure_client
+            from exaserve_hpc.transport import secure_client
             secure_client(sock, self._curve)
         sock.connect(self.info["control"])
         next_report = 0.0

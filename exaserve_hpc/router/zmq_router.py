@@ -7,7 +7,7 @@ kv events (SUB, connects): when the routing policy follows KV events
   endpoint (engine/kv_events.py); a gap in a replica's sequence numbers makes
   the router forget what it knew of it.
 
-With `curve` (bootstrap.CurveKeys, under `exaserve launch`) frontend and
+With `curve` (transport.CurveKeys, under `exaserve launch`) frontend and
 backend are CURVE servers that admit only the job's client key (ZAP): the
 router listens on every interface there, and a stranger must neither register
 as a replica (and read prompts) nor send requests past the gateway's API keys.
@@ -135,7 +135,7 @@ class ZmqRouter:
         self._zap = []  # leases on the context's ZAP authenticator, stopped after the sockets close
         self._curve = curve  # its client pair subscribes to the replicas' CURVE KV-event publishers
         if curve is not None:
-            from exaserve_hpc.bootstrap import secure_server
+            from exaserve_hpc.transport import secure_server
             self._zap = [secure_server(self.frontend, curve, self.context, "router frontend"),
                          secure_server(self.backend, curve, self.context, "router backend")]
         self.frontend_endpoint = bind(self.frontend, host, frontend_port)

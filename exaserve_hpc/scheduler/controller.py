@@ -76,7 +76,7 @@ class Controller(ControllerLoop):
                  clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
                  curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0,
                  demand_interval: float = 10.0, run_dir: Optional[Path] = None, bind_socket: bool = True):
-        """curve: bootstrap.CurveKeys to make the control socket a CURVE server that admits only the job's
+        """curve: transport.CurveKeys to make the control socket a CURVE server that admits only the job's
         client key (None: plain TCP, the single-machine default). expected_agents: agent ids the bootstrap
         saw; placement waits for all of them (at most placement_grace seconds) so the first agent to say
         hello does not get every replica. demand_interval: seconds per sample of the demand history that
@@ -95,7 +95,7 @@ class Controller(ControllerLoop):
             # a peer sending more in one message is disconnected by ZeroMQ before anything is read
             self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if curve is not None:
-                from exaserve_hpc.bootstrap import secure_server
+                from exaserve_hpc.transport import secure_server
                 self._auth = secure_server(self.socket, curve, self.context)
             self.endpoint = bind(self.socket, host, port)
         self.expected_agents = set(expected_agents or ())

@@ -20,7 +20,8 @@ import pytest
 import zmq
 
 from exaserve_hpc.agent.node_agent import NodeAgent
-from exaserve_hpc.bootstrap import CURVE_JOB_DIR_VARIABLE, JobDir, make_curve_keys, secure_client
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, make_curve_keys, secure_client
+from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.agent.pipeline_stage import StageError, rendezvous
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.config.schema import parse_site

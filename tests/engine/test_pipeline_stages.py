@@ -101,7 +101,8 @@ def test_a_silent_stage_fails_a_bounded_receive_naming_it():
 def test_with_the_jobs_keys_a_stage_link_admits_only_peers_holding_them(tmp_path):
     import zmq
 
-    from exaserve_hpc.bootstrap import JobDir, load_client_keys, make_curve_keys
+    from exaserve_hpc.jobdir import JobDir
+    from exaserve_hpc.transport import load_client_keys, make_curve_keys
 
     jobdir = JobDir(tmp_path / "job").ensure()
     make_curve_keys(jobdir)

@@ -1,6 +1,6 @@
 """The router under `exaserve launch`: frontend and backend admit only the job's CURVE client key.
 
-Real ZmqRouter, real keys from bootstrap.make_curve_keys, real sockets: a peer with the job's key
+Real ZmqRouter, real keys from transport.make_curve_keys, real sockets: a peer with the job's key
 is served; a plain DEALER or one with a key of its own reaches nothing and gets nothing, on either
 side, and the router goes on serving the job's peers.
 """
@@ -17,10 +17,8 @@ import zmq
 
 from exaserve_hpc.agent.lifecycle import Lifecycle
 from exaserve_hpc.agent.replica_process import ReplicaSlot, spawn
-from exaserve_hpc.bootstrap import (
-    CURVE_JOB_DIR_VARIABLE, CurveKeys, JobDir, ZapLease, load_client_keys, make_curve_keys, secure_client,
-    secure_server,
-)
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, ZapLease, load_client_keys, make_curve_keys, secure_client, secure_server
+from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.protocol import (
     EngineSettings, GenerateRequest, ReplicaHello, StartReplica, TokenChunk, decode, encode,
 )

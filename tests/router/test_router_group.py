@@ -12,7 +12,8 @@ import zmq
 
 from exaserve_hpc.agent import router_links
 from exaserve_hpc.agent.router_links import RouterLinks
-from exaserve_hpc.bootstrap import JobDir, make_curve_keys, secure_client
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.transport import make_curve_keys, secure_client
 from exaserve_hpc.protocol import Drain, GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk, decode, encode
 from exaserve_hpc.router.balancing import RoundRobin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings

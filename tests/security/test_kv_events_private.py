@@ -21,7 +21,9 @@ import openai
 import pytest
 import zmq
 
-from exaserve_hpc.bootstrap import JobDir, install_block_hash_salt, make_curve_keys, run_salt
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
+from exaserve_hpc.transport import make_curve_keys, run_salt
 from exaserve_hpc.cache.checkpoint import TINY_TOKENIZER_DIR
 from exaserve_hpc.engine.block_manager import block_hash_salt, prompt_block_hashes, set_block_hash_salt
 from exaserve_hpc.engine.hf_tokenizer import HfTokenizer

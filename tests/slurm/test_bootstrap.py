@@ -16,11 +16,10 @@ import time
 import pytest
 import zmq
 
-from exaserve_hpc.bootstrap import (
-    BootstrapError, ControllerInfo, JobDir, NodeInventory, RankInfo, Role, detect_rank, exchange_inventories,
-    load_client_keys, make_curve_keys, publish_controller, role_for, secure_client, secure_server,
-    wait_for_controller,
-)
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, detect_rank, exchange_inventories, publish_controller, wait_for_controller
+from exaserve_hpc.jobenv.base import RankInfo, Role, role_for
+from exaserve_hpc.transport import load_client_keys, make_curve_keys, secure_client, secure_server
 
 
 def test_rank_from_slurm_then_local():

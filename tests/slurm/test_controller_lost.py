@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from exaserve_hpc.bootstrap import JobDir, RankInfo
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome, SlurmJobEnvironment
 from exaserve_hpc.launcher.controller_lost import (
