@@ -1,6 +1,6 @@
 """The agent supervisor's policy: when a dead agent is not restarted (agent_supervisor.give_up_reason)."""
 
-from exaserve_hpc.agent_supervisor import EXIT_BAD_GRANT, RESTARTS, WINDOW, give_up_reason
+from exaserve_hpc.app.agent_supervisor import EXIT_BAD_GRANT, RESTARTS, WINDOW, give_up_reason
 from exaserve_hpc.agent.node_agent import EXIT_BAD_GRANT as AGENT_BAD_GRANT
 
 
@@ -25,7 +25,7 @@ def test_a_replica_that_ended_before_the_scan_is_reaped_by_its_pid():
     import time
     from pathlib import Path
 
-    from exaserve_hpc.agent_supervisor import end_orphans
+    from exaserve_hpc.app.agent_supervisor import end_orphans
 
     pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], dict(os.environ))
     stat = Path(f"/proc/{pid}/stat")
@@ -49,7 +49,7 @@ def test_a_running_replica_the_scan_missed_is_killed_and_reaped_by_its_pid():
     import sys
     from pathlib import Path
 
-    from exaserve_hpc.agent_supervisor import end_orphans
+    from exaserve_hpc.app.agent_supervisor import end_orphans
 
     pid = os.posix_spawn(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
     stat = Path(f"/proc/{pid}/stat")

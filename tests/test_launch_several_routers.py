@@ -161,8 +161,8 @@ def test_a_router_rank_that_comes_after_placement_is_linked_by_the_replicas_star
 
 def test_more_routers_than_nodes_is_refused_naming_the_setting():
     from exaserve_hpc.config.schema import SiteConfig
-    from exaserve_hpc.control_plane import ControlPlaneError
-    from exaserve_hpc.launcher.router_rank import check_router_count
+    from exaserve_hpc.app.control_plane import ControlPlaneError
+    from exaserve_hpc.app.router_rank import check_router_count
 
     site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 4, "nodelist": "n[1-4]"},
                                       "router": {"count": 3},

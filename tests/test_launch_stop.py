@@ -77,7 +77,7 @@ def test_every_rank_stops_gracefully(tmp_path, how):
 
 
 def test_an_agent_rank_stops_by_itself_when_rank_0_gives_no_order():
-    from exaserve_hpc.launcher.rank import stop_gracefully_on_signals
+    from exaserve_hpc.app.rank import stop_gracefully_on_signals
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGINT)}
     stopped = []
     try:

@@ -88,8 +88,8 @@ def in_process_plane(site_file: Path, tmp_path: Path):
     from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE
     from exaserve_hpc.engine.block_manager import install_block_hash_salt
     from exaserve_hpc.config.schema import load_site
-    from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
-    from exaserve_hpc.serve import private_run_dir, run_keys
+    from exaserve_hpc.app.control_plane import ControlPlane, PlaneSettings
+    from exaserve_hpc.app.serve import private_run_dir, run_keys
 
     site = load_site(site_file)
     run_dir = private_run_dir(tmp_path / "run")

@@ -9,7 +9,7 @@ import os
 import socket
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.control_plane import write_state, written_by
+from exaserve_hpc.app.control_plane import write_state, written_by
 
 
 def test_only_the_process_that_wrote_serve_json_owns_it(tmp_path):

@@ -76,3 +76,7 @@ class Lifecycle:
 
     def seconds_in(self, state: ReplicaState) -> float:
         return sum(t.seconds for t in self.history if t.old is state)
+
+
+# A replica stop its agent did not ask for starts ReplicaEvent.detail with this (scheduler/controller.py)
+STOPPED_UNASKED = "stopped on its own"

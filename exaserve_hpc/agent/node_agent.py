@@ -44,7 +44,7 @@ from exaserve_hpc.protocol import (
 )
 from exaserve_hpc.units import format_size, parse_size
 from exaserve_hpc.agent import faults
-from exaserve_hpc.agent.lifecycle import Lifecycle, ReplicaState
+from exaserve_hpc.agent.lifecycle import STOPPED_UNASKED, Lifecycle, ReplicaState
 from exaserve_hpc.agent.gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
 from exaserve_hpc.agent.memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from exaserve_hpc.agent.nvml_probe import host_memory, read_gpus
@@ -57,7 +57,6 @@ log = logging.getLogger("exaserve.agent")
 DEFAULT_L2_CAPACITY = 8 << 30  # WeightCacheConfig.l2_capacity's default
 EXIT_BAD_GRANT = 2  # the site asks for more GPUs per node than this node was granted
 EXIT_CONTROLLER_LOST = 3  # the agent's exit status when its controller went silent
-STOPPED_UNASKED = "stopped on its own"  # a replica's stop its agent did not ask for (scheduler/controller.py)
 
 
 def estimate_replica_bytes(spec: StartReplica) -> int:
@@ -75,7 +74,7 @@ def spawn_replica(spec: StartReplica, node: str) -> ReplicaSlot:
     return slot
 
 
-L2_RUN_VARIABLE = "EXASERVE_L2_RUN"  # the run's identity in its L2 directory's name (serve.py, launcher/rank.py)
+L2_RUN_VARIABLE = "EXASERVE_L2_RUN"  # the run's identity in its L2 directory's name (app/serve.py, app/rank.py)
 
 
 def default_l2_root(agent_id: str, l2_path: str = "/dev/shm", run: Optional[str] = None) -> Path:

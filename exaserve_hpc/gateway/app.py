@@ -146,7 +146,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
                               f"{site.site!r}); see exaserve_hpc/gateway/openai_api.py for the supported subset.",
                   # With keys required the schema is served by the keyed route below, and no docs pages.
                   **(dict(openapi_url=None, docs_url=None, redoc_url=None) if keyed else {}))
-    # The open generations, which a stop ends cleanly after gateway.stop_grace (control_plane_routing.py)
+    # The open generations, which a stop ends cleanly after gateway.stop_grace (app/routing.py)
     gate = app.state.stop_gate = StopGate()
     app.add_middleware(BodyLimit, limit=site.gateway.max_body_bytes)
     app.add_middleware(_RequestMetrics)

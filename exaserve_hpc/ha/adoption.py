@@ -1,7 +1,7 @@
 """What a new leader keeps when several routers share the fleet (`ha.etcd` with `router.count` > 1): pure.
 
-Router k and its gateway run on rank k for the whole run, whoever leads (launcher/router_rank.py's
-RankRouter, started by ha/launch.py). A new leader therefore does not make a router: it uses the one of
+Router k and its gateway run on rank k for the whole run, whoever leads (app/router_rank.py's
+RankRouter, started by app/ha_rank.py). A new leader therefore does not make a router: it uses the one of
 its own rank and adopts the others' registrations (JOBDIR/routers/rank-K.json), leaving out a lost node's.
 A replica keeps running when every router the new leader's fleet names is one it is already connected
 to: the routers that survived are, so it goes on serving them; only the lost router's link is left idle

@@ -1,2 +1,2 @@
-"""`exaserve launch`: what every rank of a batch job runs (rank.py), and rank 0's requeue watch
-(requeue_watch.py). The batch system is reached only through jobenv/."""
+"""Only ``python -m exaserve_hpc.launcher``, the per-rank command job scripts run; what a rank does is in
+app/rank.py."""

@@ -43,8 +43,8 @@ from typing import Callable, Optional
 import zmq
 
 from exaserve_hpc import metrics
-from exaserve_hpc.agent.lifecycle import ReplicaState
-from exaserve_hpc.agent.node_agent import STOPPED_UNASKED
+from exaserve_hpc.agent.lifecycle import STOPPED_UNASKED, ReplicaState
+
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica,
@@ -103,7 +103,7 @@ class Controller(ControllerLoop):
         self.lost_at: dict[str, float] = {}  # agent id -> clock() when declared lost (benchmarks read it)
         self.lateness: dict[str, Lateness] = {}  # agent id -> how late its heartbeats arrive (liveness.py)
         # agent id -> its agent process checked directly (True running, False gone, None cannot tell); set
-        # by `exaserve serve`, whose agent is a child (agent_supervisor.py). None: no node can be checked.
+        # by `exaserve serve`, whose agent is a child (app/agent_supervisor.py). None: no node can be checked.
         self.process_check: Optional[Callable[[str], Optional[bool]]] = None
         self.fleet = Fleet(site, router, run_dir)
         self.fleet.pipelines.rendezvous = self.endpoint  # where pipeline stages find each other (pipeline.py)

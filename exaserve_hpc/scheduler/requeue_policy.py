@@ -1,6 +1,6 @@
 """When to give the allocation back and come again: a pure policy for rank 0.
 
-Call protocol (every watch round, from launcher/requeue_watch.py):
+Call protocol (every watch round, from app/requeue_watch.py):
 
     decision = requeue_decision(RequeueSnapshot(...), policy)
     if decision.requeue: checkpoint state, then `scontrol requeue` excluding decision.exclude
@@ -80,7 +80,7 @@ def requeue_decision(snapshot: RequeueSnapshot, policy: RequeuePolicy = RequeueP
 @dataclass(frozen=True)
 class ControllerLostDecision:
     """What the one surviving rank that acts does when the controller went silent without HA
-    (launcher/controller_lost.py). action: "successor" (a successor job excluding `exclude`, resuming from
+    (app/controller_lost.py). action: "successor" (a successor job excluding `exclude`, resuming from
     the last periodic checkpoint, then this job cancelled) or "cancel" (this job cancelled: its nodes go back)."""
     action: str
     exclude: tuple[str, ...]

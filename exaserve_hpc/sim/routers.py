@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
+from exaserve_hpc.app.routing import dispatch_settings, router_policy
 from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored
 from exaserve_hpc.router.dispatch import Dispatcher
 from exaserve_hpc.router.router_group import merge_snapshots

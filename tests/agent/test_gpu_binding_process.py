@@ -197,7 +197,7 @@ def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_
     import yaml
     from rich.console import Console
 
-    from exaserve_hpc import cli
+    from exaserve_hpc.cli import main as cli
     from exaserve_hpc.config.schema import parse_site
     from exaserve_hpc.scheduler.controller import Controller
     from tests.test_controller import FakeRouter

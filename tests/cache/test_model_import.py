@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from exaserve_hpc import cli
+from exaserve_hpc.cli import main as cli
 from exaserve_hpc.cache import model_import
 from exaserve_hpc.cache.l3_store import copy_verified
 from exaserve_hpc.cache.manifest import CheckpointError, ChecksumError, read_manifest, verify_checkpoint

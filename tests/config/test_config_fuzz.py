@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from exaserve_hpc import cli
+from exaserve_hpc.cli import main as cli
 from exaserve_hpc.config.schema import ConfigError, load_site
 
 from tests.config.fuzz_corpus import ROOT, write_corpus

@@ -145,7 +145,7 @@ def test_config_show_prints_defaults():
 
 
 def test_the_router_section_reaches_the_policy_and_the_dispatcher():
-    from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
+    from exaserve_hpc.app.routing import dispatch_settings, router_policy
     site = parse_site({"site": "t", "models": [{"model_name": "m"}],
                        "router": {"policy": "prefix_affinity", "block_size": 32, "prefix_mode": "precise",
                                   "index_blocks": 4096, "stall_timeout": "7s", "breaker_failures": 5,

@@ -57,7 +57,7 @@ def test_an_engine_whose_package_is_missing_names_the_install(monkeypatch):
 
 
 def test_config_allows_the_registry_engines_and_check_warns_for_a_missing_package(monkeypatch, capsys):
-    from exaserve_hpc import cli
+    from exaserve_hpc.cli import main as cli
     from exaserve_hpc.config.schema import ConfigError, parse_site
 
     with pytest.raises(ConfigError, match="allowed: 'reference', 'echo', 'timing' or 'trtllm'"):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import httpx
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
-from exaserve_hpc.control_plane_routing import fleet_can_serve
+from exaserve_hpc.app.routing import fleet_can_serve
 from exaserve_hpc.scheduler.fleet_state import AgentRecord
 
 

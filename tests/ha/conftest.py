@@ -21,7 +21,7 @@ import pytest
 
 from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 from exaserve_hpc.ha.fleet_store import read_state
-from exaserve_hpc.ha.launch import etcd_prefix
+from exaserve_hpc.app.ha_rank import etcd_prefix
 from exaserve_hpc.ha.etcd_member import EtcdMember, MemberSpec
 from exaserve_hpc.ha.etcd_tls import ensure_ca, issue
 

@@ -4,7 +4,7 @@ checkpoint, periodic, on a signal (control_plane's checkpoint_once calls save) o
 
 from __future__ import annotations
 
-from exaserve_hpc.state_keeper import StateKeeper
+from exaserve_hpc.app.state_keeper import StateKeeper
 
 
 class Fleet:

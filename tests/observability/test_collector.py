@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exaserve_hpc import metrics
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
+from exaserve_hpc.app.routing import dispatch_settings, router_policy
 from exaserve_hpc.observability.collector import FLEET, families, sample_fleet
 from exaserve_hpc.observability.readings import FleetReadings, ReplicaReading
 from exaserve_hpc.protocol import (

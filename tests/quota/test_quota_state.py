@@ -13,7 +13,7 @@ import pytest
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, ControllerState, load_state, save_state
 from exaserve_hpc.quota.ledger import UsageLedger, UsageRecord
 from exaserve_hpc.quota.shares import GroupShare, SharePolicy
-from exaserve_hpc.state_keeper import StateKeeper
+from exaserve_hpc.app.state_keeper import StateKeeper
 
 HOUR = 3600.0
 

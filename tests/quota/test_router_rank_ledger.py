@@ -1,4 +1,4 @@
-"""Gateway k of `exaserve launch` (router ranks 1 .. N-1, launcher/router_rank.py) starts its fair share from
+"""Gateway k of `exaserve launch` (router ranks 1 .. N-1, app/router_rank.py) starts its fair share from
 the earlier runs' usage, as rank 0's plane does: the job's checkpoint and the ledger files past it, or every
 ledger file without one. No sockets: the router client connects lazily and is never used here."""
 
@@ -12,9 +12,9 @@ from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
-from exaserve_hpc.launcher.router_rank import gateway_app
+from exaserve_hpc.app.router_rank import gateway_app
 from exaserve_hpc.quota.ledger import UsageLedger, UsageRecord, ledger_dir
-from exaserve_hpc.state_keeper import StateKeeper
+from exaserve_hpc.app.state_keeper import StateKeeper
 
 HOUR = 3600.0
 

@@ -124,7 +124,7 @@ def test_one_admission_shared_by_several_threads_never_goes_past_a_limit():
 
 def test_each_gateway_of_a_launch_takes_its_part_and_serve_shares_the_whole():
     from exaserve_hpc.config.schema import parse_site
-    from exaserve_hpc.several_routers import gateway_admission
+    from exaserve_hpc.app.several_routers import gateway_admission
     site = parse_site({"site": "s", "router": {"count": 3}, "gateway": {"max_queued_requests": 10},
                        "models": [{"model_name": "m"}],
                        "quota_groups": [{"name": "lab", "max_concurrent_requests": 2, "tokens_per_minute": 1000}]})

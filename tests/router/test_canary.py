@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
 from exaserve_hpc.protocol import GenerateRequest, ReplicaHello
-from exaserve_hpc.gateway.admin_api import add_rollout_arguments, cmd_rollout, make_admin_router
+from exaserve_hpc.cli.rollout import add_rollout_arguments, cmd_rollout
+from exaserve_hpc.gateway.admin_api import make_admin_router
 from exaserve_hpc.router.balancing import PowerOfTwo
 from exaserve_hpc.router.canary import RolloutError, RolloutTable, check_version
 from exaserve_hpc.router.dispatch import REPLICA, Dispatcher, DispatchSettings

@@ -158,7 +158,7 @@ def test_an_elected_leaders_group_adopts_the_other_ranks_routers_and_keeps_its_o
     from types import SimpleNamespace
 
     from exaserve_hpc.config.schema import SiteConfig
-    from exaserve_hpc.several_routers import SeveralRouters, router_file, run_tag
+    from exaserve_hpc.app.several_routers import SeveralRouters, router_file, run_tag
 
     site = SiteConfig.model_validate({"site": "x", "cluster": {"nodes": 3, "nodelist": "n[1-3]"},
                                       "router": {"count": 3}, "ha": {"etcd": {"members": 3}},

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from exaserve_hpc.agent.replica_process import replica_threads
-from exaserve_hpc.agent_supervisor import process_running
+from exaserve_hpc.app.agent_supervisor import process_running
 from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, node_replica_cap
 from exaserve_hpc.scheduler.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 

@@ -18,8 +18,8 @@ import yaml
 import zmq
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.control_plane import ensure_checkpoints
-from exaserve_hpc.control_plane_routing import dispatch_settings, router_policy
+from exaserve_hpc.app.control_plane import ensure_checkpoints
+from exaserve_hpc.app.routing import dispatch_settings, router_policy
 from exaserve_hpc.engine.tokenizer import ByteTokenizer
 from exaserve_hpc.protocol import GenerateRequest, RequestError, TokenChunk, decode, encode
 from exaserve_hpc.router.dispatch import Dispatcher

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from exaserve_hpc import cli
+from exaserve_hpc.cli import main as cli
 from exaserve_hpc.config.schema import load_site, parse_site, resolve_site
 from exaserve_hpc.sim.routers import CHUNK_COST_S, STATS_COST_S, RouterThread, SimRouters, chunks_for
 from exaserve_hpc.sim.simulation import Simulation

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from exaserve_hpc import cli
+from exaserve_hpc.cli import main as cli
 from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.engine.timing import timings_for
 from exaserve_hpc.scheduler import autoscale

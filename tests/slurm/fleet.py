@@ -225,7 +225,7 @@ def submit(site: Path, job_root: Path, nodes: int = 4, extra: tuple[str, ...] = 
     port_flag = "" if port is None else f"--port {port} "
     launcher = f"{sys.executable} -m exaserve_hpc.launcher {port_flag}{launcher_args}".rstrip()
     env = None if log_dir is None else {**os.environ, "EXASERVE_LOG_DIR": str(log_dir)}
-    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", str(site), "--nodes",
+    result = subprocess.run([sys.executable, "-m", "exaserve_hpc.cli", "submit", "--site", str(site), "--nodes",
                              str(nodes), "--time", "15m", "--job-root", str(job_root), "--option",
                              f"launcher={launcher}", *extra], capture_output=True, text=True, timeout=60, env=env)
     if result.returncode != 0:

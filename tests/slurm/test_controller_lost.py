@@ -1,4 +1,4 @@
-"""Rank 0's node lost without HA, and a job whose batch host is lost (launcher/controller_lost.py): the pure
+"""Rank 0's node lost without HA, and a job whose batch host is lost (app/controller_lost.py): the pure
 decision, the one surviving rank that acts (an exclusive file in the job directory), a successor then this
 job cancelled, or only the cancel; Slurm asked as the real commands are (recorded runner, real samples).
 Through a real Slurm cluster: tests/slurm/test_controller_lost_e2e.py."""
@@ -12,7 +12,7 @@ from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome, SlurmJobEnvironment
-from exaserve_hpc.launcher.controller_lost import (
+from exaserve_hpc.app.controller_lost import (
     CLAIM_FILE, ENDED_FILE, after_controller_lost, end_if_batch_host_lost,
 )
 from exaserve_hpc.scheduler.requeue_policy import controller_lost_decision

@@ -1,7 +1,7 @@
 """Rank 0's node lost without HA (issue 25 item 2), on the local Slurm cluster: `kill-node` of the node running
 rank 0 (controller, gateway, and the job's batch script). The surviving agents hear nothing from the
 controller for `heartbeat.controller_timeout` and exit; one of them gives the job back
-(launcher/controller_lost.py): with requeue on, a successor job excluding the dead node, restoring the
+(app/controller_lost.py): with requeue on, a successor job excluding the dead node, restoring the
 controller's last periodic checkpoint, then this job cancelled, so the successor (afterany) starts and
 serves; with requeue off, this job cancelled. Either way the job never stays RUNNING with no process.
 Marked slurm: under CI=true it must run."""
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
-from exaserve_hpc.launcher.controller_lost import CLAIM_FILE
+from exaserve_hpc.app.controller_lost import CLAIM_FILE
 from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
 from exaserve_hpc.slurm.states import JobState
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.jobenv import SlurmJobEnvironment
-from exaserve_hpc.launcher.requeue_watch import RequeueWatch
+from exaserve_hpc.app.requeue_watch import RequeueWatch
 from exaserve_hpc.scheduler.replacement_policy import replacement_decision
 from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy
 from exaserve_hpc.slurm.companion_jobs import CompanionJobs, render_companion
 from exaserve_hpc.slurm.parse import JobInfo
 from exaserve_hpc.slurm.sbatch import options_from_site
 from exaserve_hpc.slurm.states import JobState
-from exaserve_hpc.state_keeper import StateKeeper
+from exaserve_hpc.app.state_keeper import StateKeeper
 
 
 def test_replacement_decision_asks_once_per_hole():

@@ -119,7 +119,7 @@ def test_options_from_the_site_config(tmp_path):
 
 
 def test_submit_dry_run_and_bad_option_exit_codes(tmp_path):
-    command = [sys.executable, "-m", "exaserve_hpc.slurm.submit", "--site", "slurm-local", "--dry-run",
+    command = [sys.executable, "-m", "exaserve_hpc.cli", "submit", "--site", "slurm-local", "--dry-run",
                "--job-root", str(tmp_path), "--time", "10m", "--nodes", "3"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

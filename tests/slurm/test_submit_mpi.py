@@ -7,9 +7,9 @@ import importlib.util
 
 import pytest
 
-from exaserve_hpc import cli
+from exaserve_hpc.cli import main as cli
 from exaserve_hpc.config.schema import load_site, resolve_site
-from exaserve_hpc.slurm import submit
+from exaserve_hpc.cli import submit
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@
 with its own gateway on its own port (gateway.port + k, or a free one when gateway.port is 0; a fixed
 router.frontend_port / backend_port likewise + k), each gateway's uvicorn in a thread.
 
-`exaserve launch`: router k runs on rank k with its own gateway (launcher/router_rank.py). It registers
+`exaserve launch`: router k runs on rank k with its own gateway (app/router_rank.py). It registers
 by writing JOBDIR/routers/rank-K.json (endpoints, gateway URL, this run's job id and restart) before its
 node's agent connects; placement waits for every node's agent, so the group (which reads those files
 whenever the fleet asks for the routers' endpoints, until all have come) knows every router before the
 first replica starts. A router that never registers is logged and left out: replicas connect to the
 others.
 
-With `ha.etcd` (ha/launch.py) router k runs on rank k whoever leads; the leader's plane takes its own
+With `ha.etcd` (app/ha_rank.py) router k runs on rank k whoever leads; the leader's plane takes its own
 rank's router as router 0 of its group (PlaneSettings.local_router, not stopped with the plane) and adopts
 every other registration of this run except those of lost nodes (ha/adoption.py).
 """
@@ -87,7 +87,7 @@ class SeveralRouters:
     def start_gateways(self, make_app: Callable[[str], object], listen: Callable[[int], object], publish: str,
                        port: int) -> list[str]:
         """A gateway per local router beyond the first (uvicorn in a thread each); their URLs."""
-        from exaserve_hpc.control_plane_routing import gateway_server  # the stop grace and connection limits of the main one
+        from exaserve_hpc.app.routing import gateway_server  # the stop grace and connection limits of the main one
         from exaserve_hpc.gateway.http_limits import HttpLimits
         urls = []
         for k, router in enumerate(self.local[1:], start=1):

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from exaserve_hpc.cli.console import err, load_site_arg, out
 from exaserve_hpc.quota.keys import append_key_hash, hash_key, key_file_path, new_key
 from exaserve_hpc.quota.ledger import BY_CHOICES, default_ledger_dirs, read_usage, summarize
 
@@ -26,8 +27,7 @@ def add_keys_arguments(parser: argparse.ArgumentParser, site_help: str) -> None:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    from exaserve_hpc.cli import _load, err
-    site = _load(args.site)
+    site = load_site_arg(args.site)
     group = next((g for g in site.quota_groups if g.name == args.group), None)
     if group is None:
         names = ", ".join(g.name for g in site.quota_groups) or "none defined"
@@ -77,8 +77,7 @@ def parse_time(text: Optional[str], flag: str) -> Optional[float]:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from exaserve_hpc.cli import _load, err, out
-    candidates = [Path(args.dir).expanduser()] if args.dir else default_ledger_dirs(_load(args.site))
+    candidates = [Path(args.dir).expanduser()] if args.dir else default_ledger_dirs(load_site_arg(args.site))
     directories = [d for d in candidates if d.is_dir()]
     if not directories:
         err.print(f"[red]error[/]: no usage ledger at {' or '.join(map(str, candidates))} (nothing served yet, or "

@@ -10,13 +10,13 @@ After rank 0 publishes the controller (bootstrap: address and CURVE key), a rout
      gateway's port, on this node's addresses (router.interface / gateway.interface as on rank 0);
   2. registers: JOBDIR/routers/rank-K.json (this run's job id and restart, endpoints, gateway URL), before
   3. its node's agent connects: placement waits for every node's agent, so rank 0 knows this router
-     before any replica starts, and every replica connects to it (several_routers.py);
+     before any replica starts, and every replica connects to it (app/several_routers.py);
   4. serves: the gateway in a thread, the agent in the main thread (stopped as any agent rank's is).
 A stop signal stops this gateway taking requests at once (its open ones finish, at most 10 s), and the
 agent as any agent rank's: by rank 0's order, else by itself after AGENT_STOP_GRACE; then the router.
 Losing this node loses only this router's in-flight requests: every replica also serves the others.
 
-With `ha.etcd`, ranks 0 .. N-1 are controller candidates too (ha/launch.py): each runs its RankRouter
+With `ha.etcd`, ranks 0 .. N-1 are controller candidates too (app/ha_rank.py): each runs its RankRouter
 for the whole run, whether or not it leads, and the leader's control plane uses its own rank's router
 as its local one and adopts the others (ha/adoption.py), so a leader's loss leaves the other gateways
 serving.
@@ -63,7 +63,7 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
 def check_router_count(site: SiteConfig, size: int) -> None:
     """router.count routers need that many ranks (router k runs on rank k)."""
     if site.router.count > size:
-        from exaserve_hpc.control_plane_routing import ControlPlaneError
+        from exaserve_hpc.app.routing import ControlPlaneError
         raise ControlPlaneError(f"router.count is {site.router.count} but the job has {size} node(s); allowed: "
                                 f"1 to {size} (router k runs on rank k), or submit with --nodes {site.router.count}")
 
@@ -71,12 +71,12 @@ def check_router_count(site: SiteConfig, size: int) -> None:
 class RankRouter:
     """Router k, its control socket and gateway k on rank k, registered in JOBDIR/routers/rank-K.json. Its
     lifetime is the rank's, not a controller's: under `ha.etcd` a standby runs it whether or not it leads,
-    and the rank's control plane, when it leads, uses it as its local router (ha/launch.py)."""
+    and the rank's control plane, when it leads, uses it as its local router (app/ha_rank.py)."""
 
     def __init__(self, site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, keys: Optional[CurveKeys],
                  controller: Callable[[], Optional[ControllerInfo]]):
         from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
-        from exaserve_hpc.control_plane_routing import ControlPlaneError, listen_socket, make_router
+        from exaserve_hpc.app.routing import ControlPlaneError, listen_socket, make_router
         from exaserve_hpc.router.router_link import RouterControl
         r, g = site.router, site.gateway
         try:
@@ -96,7 +96,7 @@ class RankRouter:
                                       "gateway.port" if args.port is None else "--port")
         self.url = http_url(publish, self.listener.getsockname()[1])
         app, self.ledger, self.admission = gateway_app(site, self.router, jobdir, keys, rank, controller)
-        from exaserve_hpc.control_plane_routing import gateway_server  # rank 0's stop grace and connection limits
+        from exaserve_hpc.app.routing import gateway_server  # rank 0's stop grace and connection limits
         from exaserve_hpc.gateway.http_limits import HttpLimits
         self.server = gateway_server(app, log_level="warning", access_log=False, grace=g.stop_grace,
                                      limits=HttpLimits.from_site(site))
@@ -108,7 +108,7 @@ class RankRouter:
 
     def register(self) -> None:
         """JOBDIR/routers/rank-K.json: rank 0 (or an HA leader) adds this router to its group."""
-        from exaserve_hpc.several_routers import router_file, run_tag
+        from exaserve_hpc.app.several_routers import router_file, run_tag
         rank = self.rank
         self.jobdir.write_json(router_file(rank.rank), {
             "run": run_tag(rank.job_id, rank.restart), "rank": rank.rank, "node": rank.node,
@@ -133,7 +133,7 @@ class RankRouter:
 def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm=None) -> int:
     from exaserve_hpc.agent.gpu_binding import GpuGrantError
     from exaserve_hpc.agent.node_agent import EXIT_BAD_GRANT
-    from exaserve_hpc.launcher.rank import stop_gracefully_on_signals
+    from exaserve_hpc.app.rank import stop_gracefully_on_signals
 
     info = wait_for_controller(rank, jobdir, comm)
     keys = router_keys(jobdir, info)
@@ -161,7 +161,7 @@ def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm
 
 
 def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, keys: Optional[CurveKeys]):
-    """This node's agent, as an agent rank makes it (launcher/rank.py): the controller's client, its
+    """This node's agent, as an agent rank makes it (app/rank.py): the controller's client, its
     replicas reading the job's keys from the job directory."""
     from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
     from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, secure_client
@@ -176,7 +176,7 @@ def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: J
 
 
 def restore_ledger(ledger, jobdir: JobDir) -> Optional[Path]:
-    """The earlier runs' usage, as rank 0's plane restores its own (control_plane.py): the job's checkpoint
+    """The earlier runs' usage, as rank 0's plane restores its own (app/control_plane.py): the job's checkpoint
     (this job directory's, else a predecessor job's) and the ledger files past its positions; every ledger
     file without a readable one. Returns the checkpoint used."""
     from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
@@ -207,7 +207,7 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
     from exaserve_hpc.gateway.backend import ModelInfo
     from exaserve_hpc.gateway.router_client import RouterClient
     from exaserve_hpc.gateway.app import create_app
-    from exaserve_hpc.several_routers import gateway_admission
+    from exaserve_hpc.app.several_routers import gateway_admission
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
 
@@ -229,6 +229,6 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
         admin_key = None
     ledger = UsageLedger(ledger_dir(site, jobdir.path.parent), half_life=site.gateway.fair_share_half_life)
     restore_ledger(ledger, jobdir)  # before the admission: fair share is seeded from the ledger's usage
-    # this gateway's part of each quota limit: gateway k of router.count (several_routers.py)
+    # this gateway's part of each quota limit: gateway k of router.count (app/several_routers.py)
     admission = gateway_admission(site, ledger, True, rank.rank)
     return create_app(client, site, admin_key=admin_key, ledger=ledger, admission=admission), ledger, admission

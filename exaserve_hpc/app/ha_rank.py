@@ -3,7 +3,7 @@
 Every rank: its etcd member when its rank is below `ha.etcd.members` (all members must be named before any
 starts, so each writes its spec to JOBDIR/etcd/restart-N/ and waits for the others), and its node's agent,
 which follows whichever controller controller.json names (follow.py). Ranks below `ha.candidates` also
-campaign (election.py). The one elected builds the control plane (control_plane.py, the same as rank 0's
+campaign (election.py). The one elected builds the control plane (app/control_plane.py, the same as rank 0's
 without HA, with this node's agent already running), gates its controller on the lease
 (`controller.acting = election.acting`), restores the fleet state from etcd (fleet_store.py; else the
 HDF5 checkpoint as before), writes it back when it changes, and publishes itself in controller.json and
@@ -13,7 +13,7 @@ no standby takes over a fleet being stopped. Rank 0 campaigns first; the others 
 controller.json (or two lease periods), so the usual leader is where it is without HA.
 
 With `router.count` N > 1, ranks 0 .. N-1 each run router k and gateway k for the whole run (RankRouter,
-launcher/router_rank.py), registered before their agent connects. The leader's plane takes its own rank's
+app/router_rank.py), registered before their agent connects. The leader's plane takes its own rank's
 router as its local one and adopts the others' but a lost node's (adoption.py); replicas whose routers
 survive are kept, so the surviving gateways serve on through the loss of the leader's node.
 """
@@ -164,7 +164,7 @@ class Candidate:
     # ---------------------------------------------------------------- agent
 
     def ensure_agent(self, info: ControllerInfo) -> None:
-        from exaserve_hpc.launcher.rank import build_agent
+        from exaserve_hpc.app.rank import build_agent
         if self.agent is not None:
             return
         self.agent = build_agent(info, self.site, self.rank, self.jobdir)
@@ -177,7 +177,7 @@ class Candidate:
         """Router k and gateway k (router.count > 1, rank k < N), registered before this rank's agent
         connects (placement waits for every agent, so the leader knows every router before replicas start).
         Started once: a leader uses it as its local router; losing or winning the lead leaves it serving."""
-        from exaserve_hpc.launcher.router_rank import RankRouter
+        from exaserve_hpc.app.router_rank import RankRouter
         if self.rank_router is None and self.site.router.count > 1 and self.rank.rank < self.site.router.count:
             self.rank_router = RankRouter(self.site, self.rank, self.jobdir, self.args, keys,
                                           lambda: current_controller(self.jobdir, self.rank))
@@ -185,7 +185,7 @@ class Candidate:
 
     def _on_stop_signal(self, sig, frame) -> None:
         """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
-        from exaserve_hpc.launcher.rank import AGENT_STOP_GRACE
+        from exaserve_hpc.app.rank import AGENT_STOP_GRACE
         print(f"exaserve: {signal.Signals(sig).name}: stopping (by the leader's order, or in "
               f"{AGENT_STOP_GRACE:.0f}s)", flush=True)
         self.stop_asked = True
@@ -206,8 +206,8 @@ class Candidate:
 
     def lead(self) -> tuple[int, bool]:
         """Run the control plane while leading: (exit code, whether it ended by deposition)."""
-        from exaserve_hpc.control_plane import ControlPlane, PlaneSettings
-        from exaserve_hpc.launcher.rank import check_quota_accounts, start_requeue_watch
+        from exaserve_hpc.app.control_plane import ControlPlane, PlaneSettings
+        from exaserve_hpc.app.rank import check_quota_accounts, start_requeue_watch
         previous = current_controller(self.jobdir, self.rank)
         nodes = list(previous.nodes) if previous else self.nodes
         expected = nodes or None
@@ -339,7 +339,7 @@ class Candidate:
                 if self.agent is None:
                     info = current_controller(self.jobdir, self.rank)
                     if info is not None:
-                        from exaserve_hpc.launcher.router_rank import router_keys
+                        from exaserve_hpc.app.router_rank import router_keys
                         self.ensure_router(router_keys(self.jobdir, info))
                         self.ensure_agent(info)
                     elif failed_start(self.jobdir, self.rank):
@@ -361,10 +361,10 @@ class Candidate:
 
 def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                 inventories: list[NodeInventory], args: argparse.Namespace) -> int:
-    """One rank of `exaserve launch` with `ha.etcd` set (launcher/rank.py)."""
+    """One rank of `exaserve launch` with `ha.etcd` set (app/rank.py)."""
     if site.router.count > 1:  # router k runs on rank k: every rank says so, so the whole step ends
-        from exaserve_hpc.control_plane import ControlPlaneError
-        from exaserve_hpc.launcher.router_rank import check_router_count
+        from exaserve_hpc.app.control_plane import ControlPlaneError
+        from exaserve_hpc.app.router_rank import check_router_count
         try:
             check_router_count(site, rank.size)
         except ControlPlaneError as exc:
@@ -382,6 +382,6 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
         if member is not None:
             member.stop()
         if candidate is not None and candidate.stopped_the_job:  # the leader that stopped the run, last of all:
-            from exaserve_hpc.launcher.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
+            from exaserve_hpc.app.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
             end_if_batch_host_lost(job, rank, jobdir, "the run stopped")  # would otherwise stay RUNNING
 

@@ -1,6 +1,6 @@
 """`exaserve serve`: the whole system on this machine (the embedded default).
 
-The control plane (control_plane.py, the same one rank 0 of `exaserve launch` builds): model
+The control plane (app/control_plane.py, the same one rank 0 of `exaserve launch` builds): model
 checkpoints (created on first use for tiny models), the router, the controller, one node agent
 process (which starts one process per replica), and the HTTP gateway in the main thread. Ctrl-C,
 SIGTERM or SIGUSR1 writes the controller's state to RUN_DIR/controller-state.h5, stops the gateway,
@@ -27,7 +27,7 @@ from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, make
 from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
+from exaserve_hpc.app.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
 
 ServeError = ControlPlaneError
 

@@ -13,12 +13,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
-from exaserve_hpc.units import parse_duration, parse_size
 from exaserve_hpc.slurm.client import SlurmError, slurm_client
 from exaserve_hpc.slurm.sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
+from exaserve_hpc.units import parse_duration, parse_size
 
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,13 +90,3 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"submitted job {job_id}: {options['nodes']} node(s); job dir {job_root / str(job_id)}; "
           f"log {job_root / f'exaserve-{job_id}.out'}")
     return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m exaserve_hpc.slurm.submit ARGS` is `exaserve submit ARGS`."""
-    from exaserve_hpc.cli import main as cli_main
-    return cli_main(["submit", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

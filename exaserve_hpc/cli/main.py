@@ -8,34 +8,47 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from rich.console import Console
+import yaml
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from exaserve_hpc import __version__
+from exaserve_hpc.app.rank import add_launch_arguments, cmd_launch
+from exaserve_hpc.app.serve import ServeError, ServeOptions, serve
+from exaserve_hpc.cache.checkpoint import CheckpointError, TinyModelSpec, create_tiny_checkpoint, verify_checkpoint
+from exaserve_hpc.cache.manifest import MANIFEST_FILE
+from exaserve_hpc.cache.model_import import import_model
+from exaserve_hpc.cli.console import err, load_site_arg, out, running_server_url
+from exaserve_hpc.cli.quota import add_keys_arguments, add_usage_arguments
+from exaserve_hpc.cli.rollout import add_rollout_arguments, admin_headers, cmd_rollout
+from exaserve_hpc.cli.submit import add_submit_arguments, cmd_submit
 from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
-
-# Piped output (scripts, logs) gets wide tables rather than truncated cells.
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, soft_wrap=True)
-
-
-def _load(site_arg: Optional[str]):
-    return load_site(resolve_site(site_arg))
-
+from exaserve_hpc.modulefiles import add_modules_arguments
+from exaserve_hpc.observability.logs import configure_logging
+from exaserve_hpc.observability.watch import watch
+from exaserve_hpc.quota.accounts import AccountError, check_accounts
+from exaserve_hpc.quota.keys import key_file_problems, plaintext_warnings
+from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
+from exaserve_hpc.sim import capacity_check
+from exaserve_hpc.sim import run as sim_run
+from exaserve_hpc.sim.capacity_check import add_capacity_arguments
+from exaserve_hpc.sim.run import add_simulate_arguments
+from exaserve_hpc.units import format_size
 
 # ---------------------------------------------------------------- serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from exaserve_hpc.serve import ServeError, ServeOptions, serve
-
-    site = _load(args.site)
+    site = load_site_arg(args.site)
     options = ServeOptions(host=args.host, port=args.port, run_dir=Path(args.run_dir) if args.run_dir else None)
     try:
         return serve(site, options)
@@ -47,24 +60,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- status
 
 
-def running_server_url(args: argparse.Namespace) -> str:
-    if args.url:
-        return args.url.rstrip("/")
-    run_dir = Path(args.run_dir).expanduser() if args.run_dir else _load(args.site).run_path
-    state = run_dir / "serve.json"
-    try:
-        return json.loads(state.read_text())["url"]
-    except (OSError, ValueError, KeyError):
-        raise SystemExit(f"no running exaserve found ({state} is missing); start one with `exaserve serve` "
-                         f"or pass --url http://HOST:PORT") from None
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from exaserve_hpc.gateway.admin_api import admin_headers  # with gateway.require_api_key, status needs the admin key
     url = running_server_url(args)
     status_request = urllib.request.Request(f"{url}/v1/exaserve/status", headers=admin_headers(args))
     if args.watch:  # a live view (observability/watch.py)
-        from exaserve_hpc.observability.watch import watch
 
         def fetch() -> dict:
             with urllib.request.urlopen(status_request, timeout=args.timeout) as response:
@@ -164,7 +163,6 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             err.print(str(exc), highlight=False, markup=False)
             failed += 1
             continue
-        from exaserve_hpc.quota.keys import key_file_problems
         if problems := key_file_problems(site):
             for problem in problems:
                 err.print(f"{name}: {problem}", highlight=False, markup=False)
@@ -173,11 +171,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         replicas = sum(site.initial_replicas(m) for m in site.models)
         out.print(f"{name}: ok (site {site.site}, {site.cluster.nodes} node(s), {len(site.models)} model(s), "
                   f"{replicas} replica(s))", highlight=False)
-        from exaserve_hpc.quota.keys import plaintext_warnings
         for warning in site.engine_warnings() + plaintext_warnings(site):
             err.print(f"{name}: warning: {warning}", highlight=False, markup=False)
         if args.accounts:  # quota groups' Slurm accounts exist and this user may charge them (sacctmgr)
-            from exaserve_hpc.quota.accounts import AccountError, check_accounts
             try:
                 check_accounts(site, user=os.environ.get("USER") or None)
             except AccountError as exc:
@@ -187,8 +183,6 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    import yaml
-
     site = load_site(resolve_site(args.file))
     data = site.model_dump(mode="json")
     print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
@@ -199,8 +193,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_model_create_tiny(args: argparse.Namespace) -> int:
-    from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint
-
     spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                          intermediate=args.intermediate, max_position=args.max_position, seed=args.seed,
                          shards=args.shards)
@@ -210,8 +202,6 @@ def cmd_model_create_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_model_verify(args: argparse.Namespace) -> int:
-    from exaserve_hpc.cache.checkpoint import CheckpointError, verify_checkpoint
-
     try:
         verify_checkpoint(Path(args.dir))
     except CheckpointError as exc:
@@ -222,19 +212,7 @@ def cmd_model_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_model_import(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-    import time
-
-    from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
-    )
-
-    from exaserve_hpc.cache.manifest import MANIFEST_FILE, CheckpointError
-    from exaserve_hpc.cache.model_import import import_model
-    from exaserve_hpc.units import format_size
-
-    store = Path(args.store).expanduser() if args.store else _load(args.site).weight_cache.l3_dir
+    store = Path(args.store).expanduser() if args.store else load_site_arg(args.site).weight_cache.l3_dir
     started = time.monotonic()
 
     def terminated(signum, frame):  # scancel, a job's time limit: clean up as for Ctrl-C
@@ -279,13 +257,11 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from exaserve_hpc.sim.run import cmd_simulate as run
-    return run(args, _load(args.site), err)
+    return sim_run.cmd_simulate(args, load_site_arg(args.site), err)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from exaserve_hpc.sim.capacity_check import cmd_capacity as run
-    return run(args, _load(args.site), out)
+    return capacity_check.cmd_capacity(args, load_site_arg(args.site), out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,29 +306,19 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_config_show)
 
-    try:
-        from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
-    except ImportError:
-        pass
-    else:
-        plan = commands.add_parser("plan", help="place a site's replicas and print the plan")
-        add_plan_arguments(plan)
-        plan.set_defaults(func=cmd_plan)
+    plan = commands.add_parser("plan", help="place a site's replicas and print the plan")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     simulate = commands.add_parser("simulate", help="simulate a workload on a site: the real controller and router "
                                                     "in simulated time, with faults; report with plots")
-    from exaserve_hpc.sim.run import add_simulate_arguments
     add_simulate_arguments(simulate, site_help)
     simulate.set_defaults(func=cmd_simulate)
     capacity = commands.add_parser("capacity", help="replicas per model for a workload's request rate and mix "
                                                     "(30%% headroom), checked by the simulator")
-    from exaserve_hpc.sim.capacity_check import add_capacity_arguments
     add_capacity_arguments(capacity, site_help)
     capacity.set_defaults(func=cmd_capacity)
 
-    from exaserve_hpc.gateway.admin_api import add_rollout_arguments, cmd_rollout
-    from exaserve_hpc.launcher.rank import add_launch_arguments, cmd_launch
-    from exaserve_hpc.slurm.submit import add_submit_arguments, cmd_submit
 
     submit = commands.add_parser("submit", help="render the sbatch script from a site config and submit it")
     add_submit_arguments(submit)
@@ -363,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(launch)
     launch.set_defaults(func=cmd_launch)
 
-    from exaserve_hpc.modulefiles import add_modules_arguments
     modules = commands.add_parser("modules", help="publish this install as an environment module (Lmod or Tcl)")
     add_modules_arguments(modules)
 
@@ -371,7 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=cmd_rollout)
 
-    from exaserve_hpc.quota.cli import add_keys_arguments, add_usage_arguments
     keys = commands.add_parser("keys", help="API keys of quota groups (stored hashed)")
     add_keys_arguments(keys, site_help)
     usage = commands.add_parser("usage", help="tokens, GPU-seconds and requests from the usage ledger, per "
@@ -409,7 +373,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ["EXASERVE_LOG_LEVEL"] = args.log_level  # children (agent, replicas) inherit it
     os.environ["EXASERVE_LOG_FORMAT"] = args.log_format
-    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)

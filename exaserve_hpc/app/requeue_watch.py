@@ -4,7 +4,7 @@ Every `interval` seconds a thread builds a RequeueSnapshot from the controller's
 time (asked of the batch system at most every `end_time_refresh` seconds: an operator may move the
 limit) and the job directory (a `requeue-requested` file is an operator's request), and asks the pure
 scheduler.requeue_policy.requeue_decision. On yes, once: the controller's state is written (retried,
-state_keeper.py), then jobenv's requeue() (same job back in the queue, or a successor job excluding
+app/state_keeper.py), then jobenv's requeue() (same job back in the queue, or a successor job excluding
 the lost nodes, after which this run stops by itself). On no, with replacement nodes on, the pure
 scheduler.replacement_policy says how many nodes to ask the job environment for.
 

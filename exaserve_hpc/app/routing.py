@@ -1,14 +1,14 @@
-"""The control plane's routing half: how `exaserve serve`, rank 0 of `exaserve launch` (control_plane.py)
-and router k on rank k (launcher/router_rank.py) make their routers and gateways from the site config.
+"""The control plane's routing half: how `exaserve serve`, rank 0 of `exaserve launch` (app/control_plane.py)
+and router k on rank k (app/router_rank.py) make their routers and gateways from the site config.
 
     router = make_router(site, bind, frontend_port, backend_port, curve)   # a started ZmqRouter
     router, routers = plane_routers(site, settings, bind, closers)         # router 0, or a RouterGroup
     app = plane_gateway_app(site, frontend, controller, router, ...)       # the gateway with admin routes
     server = gateway_server(app, on_signal=...)                            # its uvicorn, our signals
 
-Kept apart from control_plane.py, which builds the rest (checkpoints, controller, agent, state keeper)
+Kept apart from app/control_plane.py, which builds the rest (checkpoints, controller, agent, state keeper)
 and owns the shutdown order. ControlPlaneError lives here because these builders raise it, and
-control_plane.py imports from this module (it re-exports the error, which callers know from there).
+app/control_plane.py imports from this module (it re-exports the error, which callers know from there).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def plane_routers(site: SiteConfig, settings, router_bind: str, closers: list[Ca
         closers.append(router.stop)
     if site.router.count == 1:
         return router, None
-    from exaserve_hpc.several_routers import SeveralRouters  # several routers sharing the fleet (several_routers.py)
+    from exaserve_hpc.app.several_routers import SeveralRouters  # several routers sharing the fleet (app/several_routers.py)
     routers = SeveralRouters(site, router, router_bind, settings,
                              lambda fp, bp: make_router(site, router_bind, fp, bp, settings.curve))
     closers.append(routers.stop)

@@ -1,7 +1,7 @@
-"""One control plane, built the same way by `exaserve serve` (serve.py) and rank 0 of `exaserve launch`
-(launcher/rank.py): model checkpoints, the router, the controller (restored from its checkpoint when
+"""One control plane, built the same way by `exaserve serve` (app/serve.py) and rank 0 of `exaserve launch`
+(app/rank.py): model checkpoints, the router, the controller (restored from its checkpoint when
 one is there), this node's agent, the HTTP gateway with the admin routes, and the state keeper. How the
-routers and gateways are made from the site config is control_plane_routing.py's (router k's rank uses it too).
+routers and gateways are made from the site config is app/routing.py's (router k's rank uses it too).
 
     plane = ControlPlane(site, PlaneSettings(node="n1", state_dir=job_dir, across_nodes=True, ...))
     plane.add_stop_hook(watch.stop)     # run first when the plane stops
@@ -46,10 +46,10 @@ from exaserve_hpc import metrics
 from exaserve_hpc.agent import faults
 from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.control_plane_routing import (  # the routers and gateways (control_plane_routing.py)
+from exaserve_hpc.app.routing import (  # the routers and gateways (app/routing.py)
     STOP_SIGNALS, ControlPlaneError, gateway_server, listen_socket, plane_gateway_app, plane_routers)
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
-from exaserve_hpc.state_keeper import StateKeeper
+from exaserve_hpc.app.state_keeper import StateKeeper
 
 log = logging.getLogger("exaserve.control")
 console = Console(stderr=True)
@@ -141,9 +141,9 @@ class PlaneSettings:
     show_progress: bool = True
     drain_timeout: float = 10.0
     drain_wait: float = 20.0
-    start_agent: bool = True                # False: this node's agent already runs (an HA candidate's, ha/launch.py)
+    start_agent: bool = True                # False: this node's agent already runs (an HA candidate's, app/ha_rank.py)
     restore_state: Any = None               # a ControllerState to start from before any checkpoint (ha/: etcd's)
-    # ha/ with router.count > 1: this rank's running router (launcher/router_rank.py's RankRouter), used as
+    # ha/ with router.count > 1: this rank's running router (app/router_rank.py's RankRouter), used as
     # router 0 and left running when the plane stops; its gateway's URL; nodes whose routers are not adopted
     local_router: Any = None
     local_gateway: str = ""
@@ -162,7 +162,7 @@ class ControlPlane:
         self.failure = ""  # why the plane stopped by itself, if it did: run() then returns 1
         self._stop_asked = False
         self.server = None
-        self.agent_supervisor = None  # `exaserve serve`'s agent process, kept running (agent_supervisor.py)
+        self.agent_supervisor = None  # `exaserve serve`'s agent process, kept running (app/agent_supervisor.py)
         try:
             self._build()
         except BaseException:
@@ -198,7 +198,7 @@ class ControlPlane:
         self.url = http_url(publish, self.listener.getsockname()[1])
 
         # self.router: what the controller, status and /metrics see (router 0, or the group of router.count);
-        # self.routers: the SeveralRouters sharing the fleet (router.count > 1; several_routers.py), else None
+        # self.routers: the SeveralRouters sharing the fleet (router.count > 1; app/several_routers.py), else None
         self.router, self.routers = plane_routers(site, s, router_bind, self._closers)
         grace = {"placement_grace": max(10.0, 3 * site.heartbeat.expiry)} if s.expected_agents else {}
         self.controller = Controller(site, self.router, host=router_bind, curve=s.curve,
@@ -249,8 +249,8 @@ class ControlPlane:
             self.agent_supervisor, self.agent_thread = None, None
             return
         endpoint = self.controller.endpoint
-        if not s.agent_in_thread:  # restarted when it dies on its own (agent_supervisor.py)
-            from exaserve_hpc.agent_supervisor import AgentSupervisor
+        if not s.agent_in_thread:  # restarted when it dies on its own (app/agent_supervisor.py)
+            from exaserve_hpc.app.agent_supervisor import AgentSupervisor
             self.agent_supervisor = AgentSupervisor(
                 lambda: start_agent_process(endpoint, s.node, site, env=s.replica_env), self.controller, s.node,
                 on_give_up=self._agent_gave_up)
@@ -297,7 +297,7 @@ class ControlPlane:
         self._ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
         self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(self._ledger.close)
-        from exaserve_hpc.several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
+        from exaserve_hpc.app.several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
         self._admission = (self.settings.local_admission if self.settings.local_admission is not None else
                            gateway_admission(self.site, self._ledger, self.settings.across_nodes))
         return self._gateway_app(self.router.frontend_endpoint)

@@ -3,7 +3,7 @@
     keeper = StateKeeper(controller, run_dir / CHECKPOINT_FILE, job_id, restart, interval=300)
     keeper.start()                 # a thread writes every `interval` seconds (0: never periodically)
     keeper.save(exclude=("n3",))   # now, retried; True when written (never by a controller not acting: ha/)
-    keeper.stop()                  # the thread ends; the final write is the shutdown order's (control_plane.py)
+    keeper.stop()                  # the thread ends; the final write is the shutdown order's (app/control_plane.py)
     keeper.quota = ledger.quota_state  # the quota section's source (quota/ledger.py), once the gateway has one
 
 A write that fails (a full or briefly unreachable shared filesystem) is logged with its cause and

@@ -2,7 +2,7 @@
 
     srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 python -m exaserve_hpc.launcher --site S --job-dir D
 
-Rank 0 builds the control plane (control_plane.py, the same as `exaserve serve`): router, controller,
+Rank 0 builds the control plane (app/control_plane.py, the same as `exaserve serve`): router, controller,
 gateway, and its own node's agent in a thread; every other rank runs its node's agent. The bootstrap
 (bootstrap.py) decides the role, exchanges inventories and publishes the controller's address and
 CURVE key in the job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
@@ -91,7 +91,7 @@ def stop_gracefully_on_signals(stop, grace: float = AGENT_STOP_GRACE) -> None:
 
 def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                    inventories: list[NodeInventory], args: argparse.Namespace, comm=None) -> int:
-    from exaserve_hpc.control_plane import ControlPlane, ControlPlaneError, PlaneSettings
+    from exaserve_hpc.app.control_plane import ControlPlane, ControlPlaneError, PlaneSettings
     keys = None
     if not args.no_curve:
         if curve_available():
@@ -106,7 +106,7 @@ def run_controller(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir
         if problems := key_file_problems(site):
             raise ControlPlaneError("; ".join(problems))
         check_quota_accounts(site)
-        from exaserve_hpc.launcher.router_rank import check_router_count
+        from exaserve_hpc.app.router_rank import check_router_count
         check_router_count(site, rank.size)  # router k runs on rank k
         plane = ControlPlane(site, PlaneSettings(
             node=rank.node, state_dir=jobdir.path, job_id=rank.job_id, restart=rank.restart, across_nodes=True,
@@ -145,7 +145,7 @@ def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: Rank
                         nodes: list[str], args: argparse.Namespace):
     """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue,
     and in any case for the batch script's stop-requested file."""
-    from exaserve_hpc.launcher.requeue_watch import RequeueWatch
+    from exaserve_hpc.app.requeue_watch import RequeueWatch
     requeue = not args.no_requeue and site.requeue.enabled and job.can_requeue
     replace = requeue and (site.requeue.replace_lost_nodes if args.replace_lost_nodes is None
                            else args.replace_lost_nodes)
@@ -210,7 +210,7 @@ def _run_agent_for(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdi
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from exaserve_hpc.control_plane import ControlPlaneError
+    from exaserve_hpc.app.control_plane import ControlPlaneError
     # Everything a rank writes (job directory, controller state, L2 copies, snapshots) is the job
     # user's alone: on a shared cluster other users' jobs may share these nodes and filesystems.
     os.umask(0o077)
@@ -233,18 +233,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     inventories = exchange_inventories(rank, jobdir, NodeInventory.probe(rank), comm, timeout=args.bootstrap_timeout)
     try:
         if site.ha.etcd is not None:  # controller candidates elected through etcd (issue 18)
-            from exaserve_hpc.ha.launch import run_ha_rank
+            from exaserve_hpc.app.ha_rank import run_ha_rank
             return run_ha_rank(site, job, rank, jobdir, inventories, args)
         if role_for(rank.rank) is Role.CONTROLLER:
             return run_controller(site, job, rank, jobdir, inventories, args, comm)
         if rank.rank < site.router.count:  # several routers share the fleet: router k and a gateway on rank k
-            from exaserve_hpc.launcher.router_rank import run_router_rank
+            from exaserve_hpc.app.router_rank import run_router_rank
             code = run_router_rank(site, rank, jobdir, args, comm)
         else:
             code = run_agent(site, rank, jobdir, comm)
         from exaserve_hpc.agent.node_agent import EXIT_CONTROLLER_LOST
         if code == EXIT_CONTROLLER_LOST:  # rank 0 went silent: one surviving rank gives the job back
-            from exaserve_hpc.launcher.controller_lost import after_controller_lost
+            from exaserve_hpc.app.controller_lost import after_controller_lost
             nodes = (jobdir.read_json("controller.json") or {}).get("nodes") or [""]  # by rank
             after_controller_lost(job, rank, jobdir, nodes[0], not args.no_requeue and site.requeue.enabled)
         return code
