@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from exaserve_hpc import metrics  # noqa: E402
+from exaserve_hpc.observability.collector import render_metrics  # noqa: E402
 from exaserve_hpc.observability.collector import FLEET, families  # noqa: E402
 from exaserve_hpc.observability.readings import (  # noqa: E402
     CheckpointReading, FleetReadings, GpuReading, ModelReading, NodeReading, ReplicaReading,
@@ -65,16 +65,16 @@ def main() -> int:
     fleet = synthetic_fleet(args.replicas, args.nodes, args.gpus)
     FLEET.watch_readings(lambda: fleet)
     try:
-        metrics.render()  # warm-up
+        render_metrics()  # warm-up
         times, sizes = [], []
         for k in range(args.rounds):
             t0 = time.perf_counter()
-            body, _ = metrics.render()
+            body, _ = render_metrics()
             elapsed = time.perf_counter() - t0
             times.append(elapsed * 1000)
             sizes.append(len(body))
             print(f"round {k + 1}: {elapsed * 1000:.1f} ms, {len(body):,} bytes")
-        compressed = len(metrics.render(gzipped=True)[0])  # as the gateway serves Prometheus
+        compressed = len(render_metrics(gzipped=True)[0])  # as the gateway serves Prometheus
     finally:
         FLEET.watch_readings(None)
     print(f"fleet: {args.replicas} replicas on {args.nodes} nodes x {args.gpus} GPUs; "

@@ -2,14 +2,14 @@
 
 Two kinds: counters and histograms of events, incremented where they happen (gateway requests, quota
 refusals, nodes lost, OOM evictions, weight-load failures and durations); and the fleet's state
-(per replica, per node, per model, the router's counters), which ``FLEET`` reads from the controller
+(per replica, per node, per model, the router's counters), which ``collector.FLEET`` reads from the controller
 and the router at scrape time once ``watch_fleet`` has pointed it at them (observability/collector.py
 lists every name and the cardinality).
 
 Everything registers on one module-level ``REGISTRY`` instead of
 prometheus_client's global default: a process may build several gateway apps
 (tests do, one per fixture) and the default registry refuses to register a
-metric name twice. ``render()`` is what ``/metrics`` serves.
+metric name twice. ``observability/collector.render_metrics`` is what ``/metrics`` serves.
 
 Label values must come from bounded sets (served model names, fixed endpoint
 and cause names, node names of the allocation); never put a client-supplied
@@ -18,10 +18,8 @@ string into a label, or a typo-ing client grows the series without bound.
 
 from __future__ import annotations
 
-import gzip
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -204,19 +202,3 @@ HA_ETCD_ERRORS = Counter(
     ["kind"],
     registry=REGISTRY,
 )
-
-
-def render(gzipped: bool = False) -> tuple[bytes, str]:
-    """The registry and the fleet in Prometheus text exposition format: (body, content type)."""
-    body = generate_latest(REGISTRY) + FLEET.render()
-    return (gzip.compress(body, 1) if gzipped else body), CONTENT_TYPE_LATEST
-
-
-def watch_fleet(controller, router, keeper=None) -> None:
-    """Serve this control plane's fleet on /metrics (one per process; a later call replaces it)."""
-    FLEET.watch(controller, router, keeper)
-
-
-# The fleet's per-replica, per-node and cluster figures, read at scrape time (observability/collector.py).
-# Not on REGISTRY: render() writes them with the collector's own, faster text writer.
-from exaserve_hpc.observability.collector import FLEET  # noqa: E402 - it imports this module's counters lazily

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from exaserve_hpc import metrics
+from exaserve_hpc.observability.collector import watch_fleet
 from exaserve_hpc.agent import faults
 from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
 from exaserve_hpc.config.schema import SiteConfig
@@ -209,7 +209,7 @@ class ControlPlane:
         self.keeper = StateKeeper(self.controller, Path(s.state_dir) / CHECKPOINT_FILE, s.job_id, s.restart,
                                   interval=site.requeue.checkpoint_interval).start()
         self._closers.append(self.keeper.stop)
-        metrics.watch_fleet(self.controller, self.router, self.keeper)  # the fleet on the gateway's /metrics
+        watch_fleet(self.controller, self.router, self.keeper)  # the fleet on the gateway's /metrics
         self._start_agent()
         self.app = self._app()
         self.gateway_urls = [self.url]

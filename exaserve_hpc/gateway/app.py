@@ -29,6 +29,7 @@ from exaserve_hpc import metrics
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError
 from exaserve_hpc.observability import logs
+from exaserve_hpc.observability.collector import render_metrics
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.quota.keys import KeyRing, plaintext_warnings
 from exaserve_hpc.gateway import openai_api as api
@@ -351,7 +352,7 @@ def create_app(backend: GatewayBackend, site: SiteConfig, admin_routes: Optional
         # Off the event loop: a target-scale fleet takes a few hundred ms to render (bench_metrics_scrape.py);
         # gzipped for Prometheus (it asks), 6.9 MB -> 0.6 MB at 3,072 replicas.
         gzipped = "gzip" in request.headers.get("accept-encoding", "")
-        body, content_type = await anyio.to_thread.run_sync(metrics.render, gzipped)
+        body, content_type = await anyio.to_thread.run_sync(render_metrics, gzipped)
         encoding = {"Content-Encoding": "gzip"} if gzipped else {}
         return Response(body, headers={"Content-Type": content_type, **encoding})
 

@@ -57,14 +57,19 @@ proportional to failovers, not to traffic.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import threading
 from typing import Callable, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from exaserve_hpc.observability.readings import FleetReadings, read_fleet
+from exaserve_hpc import metrics
+from exaserve_hpc.observability.readings import (
+    CheckpointReading, FleetReadings, GpuReading, ModelReading, NodeReading, ReplicaReading, read_fleet
+)
 
 log = logging.getLogger("exaserve.metrics")
 
@@ -270,7 +275,7 @@ def _cluster_families(fleet: FleetReadings) -> list:
 
 
 class FleetCollector:
-    """One per process (metrics.FLEET, rendered by metrics.render after the registry); `watch` points it at
+    """One per process (FLEET, rendered by render_metrics after the registry); `watch` points it at
     this process's control plane. A prometheus_client Collector too (collect/describe), for other registries."""
 
     def __init__(self) -> None:
@@ -302,7 +307,7 @@ class FleetCollector:
             return []
 
     def render(self) -> bytes:
-        """The fleet's families in the text format (metrics.render appends them to the registry's)."""
+        """The fleet's families in the text format (render_metrics appends them to the registry's)."""
         return render_text(self.collect())
 
 
@@ -327,7 +332,6 @@ def render_text(fams: list) -> bytes:
 
 def _hook_replica_events(controller) -> None:
     """Weight-load durations and replica failures, counted from the controller's replica-event hook."""
-    from exaserve_hpc import metrics
     previous = controller.on_replica_state
     if getattr(previous, "exaserve_metrics", False):
         previous = None  # watched before: replace our own hook, do not count twice
@@ -346,13 +350,24 @@ def _hook_replica_events(controller) -> None:
     controller.on_replica_state = on_state
 
 
-FLEET = FleetCollector()
+FLEET = FleetCollector()  # the fleet's per-replica, per-node and cluster figures, read at scrape time
+
+
+def render_metrics(gzipped: bool = False) -> tuple[bytes, str]:
+    """/metrics: the registry (metrics.py) and the fleet in Prometheus text exposition format: (body, content
+    type). The fleet is not on the registry: FLEET writes it with its own, faster text writer."""
+    body = generate_latest(metrics.REGISTRY) + FLEET.render()
+    return (gzip.compress(body, 1) if gzipped else body), CONTENT_TYPE_LATEST
+
+
+def watch_fleet(controller, router, keeper=None) -> None:
+    """Serve this control plane's fleet on /metrics (one per process; a later call replaces it)."""
+    FLEET.watch(controller, router, keeper)
 
 
 def sample_fleet() -> FleetReadings:
     """A fleet with every optional part present (a routed replica with prefix lookups, one not routed,
     a node with a GPU, a checkpoint keeper): what `exported_names` renders."""
-    from exaserve_hpc.observability.readings import CheckpointReading, GpuReading, ModelReading, NodeReading, ReplicaReading
     return FleetReadings(
         (ReplicaReading("m/r0000", "m", "n1", "serving", routed=True, prefix_query_tokens=1, ttft_ms=(1.0, 2.0),
                         tpot_ms=(1.0, 2.0)),
@@ -368,6 +383,5 @@ _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum",
 def exported_names() -> set[str]:
     """Every sample name /metrics can carry (the gateway's, the events' and the fleet's), e.g. for checking
     that dashboards and alert rules name only real series."""
-    from exaserve_hpc import metrics
     fams = list(metrics.REGISTRY.collect()) + families(sample_fleet())
     return {f.name + suffix for f in fams for suffix in _SUFFIXES.get(f.type, ("",))}

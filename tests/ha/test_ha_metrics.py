@@ -1,5 +1,5 @@
 """The HA metrics against a real 3-member etcd, read from the registry the gateway's /metrics serves
-(metrics.render): the leader shows 1 and its election counted, a standby 0, a deposed leader's refused
+(render_metrics): the leader shows 1 and its election counted, a standby 0, a deposed leader's refused
 write is counted and leadership moves, and an etcd no member of which answers is counted as unavailable."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exaserve_hpc import metrics
+from exaserve_hpc.observability.collector import render_metrics
 from exaserve_hpc.ha.election import Deposed, Election
 from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 from exaserve_hpc.ha.lease_policy import LeaseTiming
@@ -22,7 +22,7 @@ TTL = 2.0
 
 def scrape() -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, parsed from what /metrics serves."""
-    body, _ = metrics.render()
+    body, _ = render_metrics()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
 

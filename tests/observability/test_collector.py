@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exaserve_hpc import metrics
+from exaserve_hpc.observability.collector import render_metrics
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.app.routing import dispatch_settings, router_policy
 from exaserve_hpc.observability.collector import FLEET, families, sample_fleet
@@ -50,7 +50,7 @@ class Clock:
 
 def scrape() -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, from the registry as /metrics renders it."""
-    body, _ = metrics.render()
+    body, _ = render_metrics()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
@@ -180,7 +180,7 @@ def test_metrics_gzipped_are_the_same_metrics():
     import gzip
     FLEET.watch_readings(sample_fleet)
     try:
-        plain, compressed = metrics.render()[0], metrics.render(gzipped=True)[0]
+        plain, compressed = render_metrics()[0], render_metrics(gzipped=True)[0]
     finally:
         FLEET.watch_readings(None)
     assert b"exaserve_replica_queue_depth{" in plain and gzip.decompress(compressed) == plain
