@@ -37,7 +37,7 @@ import zmq
 from exaserve_hpc.cache.checkpoint import CheckpointError
 from exaserve_hpc.cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
 from exaserve_hpc.engine.registry import ENGINES
-from exaserve_hpc.ha.adoption import backends, must_restart
+from exaserve_hpc.agent.adoption import backends, must_restart
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
     StopReplica, encode, receive_pending,
@@ -246,7 +246,7 @@ class NodeAgent:
                 # A new leader's routers (ha/): the running process cannot reach them. It drains and exits,
                 # and starts again here for them (_reap), as the same replica: no stop reaches the controller.
                 # With several routers, a new leader that adopted the surviving ones names only routers this
-                # replica already serves: it is kept (ha/adoption.py).
+                # replica already serves: it is kept (agent/adoption.py).
                 log.warning("replica %s runs for router %s, now asked for %s: restarting it", spec.replica_id,
                             existing.spec.router_backend, spec.router_backend)
                 self._replacing[spec.replica_id] = spec

@@ -38,7 +38,7 @@ from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.jobenv import JobEnvironment
-from exaserve_hpc.ha.adoption import former_leaders
+from exaserve_hpc.agent.adoption import former_leaders
 from exaserve_hpc.ha.election import Deposed, Election
 from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 from exaserve_hpc.ha.etcd_member import EtcdMember, EtcdMemberError, MemberSpec

@@ -18,7 +18,7 @@ Losing this node loses only this router's in-flight requests: every replica also
 
 With `ha.etcd`, ranks 0 .. N-1 are controller candidates too (app/ha_rank.py): each runs its RankRouter
 for the whole run, whether or not it leads, and the leader's control plane uses its own rank's router
-as its local one and adopts the others (ha/adoption.py), so a leader's loss leaves the other gateways
+as its local one and adopts the others (agent/adoption.py), so a leader's loss leaves the other gateways
 serving.
 """
 

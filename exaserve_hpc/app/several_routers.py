@@ -17,7 +17,7 @@ others.
 
 With `ha.etcd` (app/ha_rank.py) router k runs on rank k whoever leads; the leader's plane takes its own
 rank's router as router 0 of its group (PlaneSettings.local_router, not stopped with the plane) and adopts
-every other registration of this run except those of lost nodes (ha/adoption.py).
+every other registration of this run except those of lost nodes (agent/adoption.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SeveralRouters:
                 self.local.append(router)
                 self.group.add(router)
         else:
-            from exaserve_hpc.ha.adoption import adoptable_ranks
+            from exaserve_hpc.agent.adoption import adoptable_ranks
             self._discovery = RouterDiscovery(self.group, Path(settings.state_dir),
                                               run_tag(settings.job_id, settings.restart),
                                               adoptable_ranks(self.count, settings.node_index if
@@ -137,7 +137,7 @@ class RouterDiscovery:
         with self._lock:
             self._next = self.clock() + DISCOVER_EVERY
             from exaserve_hpc.jobdir import JobDir
-            from exaserve_hpc.ha.adoption import adopt
+            from exaserve_hpc.agent.adoption import adopt
             from exaserve_hpc.router.router_link import RemoteRouter
             for rank in sorted(self.missing):
                 info: Optional[dict] = JobDir(self.job_dir).read_json(router_file(rank))

@@ -8,7 +8,9 @@ and exits with status 2.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -20,6 +22,8 @@ from exaserve_hpc.engine.registry import ENGINE_NAMES, engine_publishes_kv_event
 from exaserve_hpc.router.policies import POLICY_NAMES
 from exaserve_hpc.config.bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
 from exaserve_hpc.config.hostlist import expand_hostlist
+from exaserve_hpc.config.lease_bounds import lease_problems
+from exaserve_hpc.resources import data_path
 from exaserve_hpc.units import DURATION_FORMS, SIZE_FORMS, parse_duration, parse_size
 
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(description=DURATION_FORMS)]
@@ -341,6 +345,9 @@ class RequeueConfig(_Section):
     checkpoint_interval: Duration = 300.0  # the controller's state is also written this often; 0: only on stop
 
 
+ETCD_BINARY = "etcd"  # the etcd server on PATH on the first ranks (Debian: etcd-server); ha/etcd_member.py runs it
+
+
 class EtcdConfig(_Section):
     """The etcd the controller candidates elect a leader through (ha/): members `exaserve launch` starts on
     ranks 0..members-1 (data in the job directory), or a centre's own cluster named by its client URLs."""
@@ -380,14 +387,13 @@ class HaConfig(_Section):
     etcd: Optional[EtcdConfig] = None
     candidates: int = Field(3, ge=1, le=5)  # controller candidates on ranks 0..candidates-1
     # The leader's lease: a leader that has not renewed it for lease_ttl minus a safety margin stops acting,
-    # before etcd lets a standby win (ha/lease_policy.py checks the bounds)
+    # before etcd lets a standby win (config/lease_bounds.py checks the bounds)
     lease_ttl: Duration = 10.0
     renew_interval: Optional[Duration] = None  # None: lease_ttl / 5
     state_interval: PositiveDuration = 2.0  # the leader writes the fleet state to etcd when it changed, checked this often
 
     @model_validator(mode="after")
     def _lease_bounds(self) -> "HaConfig":
-        from exaserve_hpc.ha.lease_policy import lease_problems
         problems = lease_problems(self.lease_ttl, self.renew_interval)
         if problems:
             raise ValueError("; ".join(problems))
@@ -508,8 +514,6 @@ class SiteConfig(_Section):
         if (problem := self.mpi_problem()) is not None:
             warnings.append(problem)
         if self.ha.etcd is not None and self.ha.etcd.members:
-            import shutil
-            from exaserve_hpc.ha.etcd_member import ETCD_BINARY
             if shutil.which(ETCD_BINARY) is None:
                 warnings.append(f"ha.etcd.members: {self.ha.etcd.members} etcd members start on the job's first ranks, "
                                 f"which need the `{ETCD_BINARY}` binary on PATH there; not found here (Debian: "
@@ -529,7 +533,6 @@ class SiteConfig(_Section):
         Slurm sites (`exaserve serve` uses no MPI)."""
         if self.cluster.partition is None or self.cluster.mpi == "none":
             return None
-        import importlib.util
         if importlib.util.find_spec("mpi4py") is not None:
             return None
         return (f"cluster.mpi: {self.cluster.mpi} needs mpi4py, which this install lacks, so every rank of the job "
@@ -701,7 +704,6 @@ def site_search_path() -> list[Path]:
     dirs = []
     if os.environ.get("EXASERVE_SITE_DIR"):
         dirs.append(Path(os.environ["EXASERVE_SITE_DIR"]))
-    from exaserve_hpc.resources import data_path
     dirs.append(data_path("site-configs"))  # the source checkout's, or the installed package's copy
     dirs.append(Path(sys.prefix) / "share" / "exaserve" / "site-configs")  # installed data files
     return dirs

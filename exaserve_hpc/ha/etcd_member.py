@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Optional
 
 from exaserve_hpc.addresses import host_literal
+from exaserve_hpc.config.schema import ETCD_BINARY
 from exaserve_hpc.ha.etcd_client import EtcdClient
 from exaserve_hpc.ha.etcd_tls import TlsFiles
 
 log = logging.getLogger("exaserve.etcd")
 
-ETCD_BINARY = "etcd"  # Debian's etcd-server package
 
 
 class EtcdMemberError(Exception):

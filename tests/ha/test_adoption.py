@@ -1,8 +1,8 @@
-"""What a new leader adopts and keeps with several routers (ha/adoption.py): pure decisions."""
+"""What a new leader adopts and keeps with several routers (agent/adoption.py): pure decisions."""
 
 from __future__ import annotations
 
-from exaserve_hpc.ha.adoption import adopt, adoptable_ranks, backends, former_leaders, must_restart
+from exaserve_hpc.agent.adoption import adopt, adoptable_ranks, backends, former_leaders, must_restart
 
 R0, R1, R2 = "tcp://a:5001", "tcp://b:5001", "tcp://c:5001"
 

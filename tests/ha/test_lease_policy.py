@@ -3,10 +3,8 @@
 import pytest
 
 from exaserve_hpc.config.schema import HaConfig
-from exaserve_hpc.ha.lease_policy import (
-    LeaderAction, LeaseTiming, act_deadline, default_renew_interval, lease_problems, leader_decision, margin_for,
-    seconds_left,
-)
+from exaserve_hpc.config.lease_bounds import default_renew_interval, lease_problems, margin_for
+from exaserve_hpc.ha.lease_policy import LeaderAction, LeaseTiming, act_deadline, leader_decision, seconds_left
 
 T = LeaseTiming.from_settings(10.0)  # renew every 2 s, margin 2.5 s
 
