@@ -18,6 +18,7 @@ from typing import Iterator, Mapping, Optional, Union
 from exaserve_hpc.agent.gpu_binding import ReplicaBinding
 from exaserve_hpc.agent.memory_pool import Reservation
 from exaserve_hpc.engine.registry import ENGINES
+from exaserve_hpc.engine.registry import RESERVED_ENV as RESERVED_BYTES_ENV  # the engine's memory bound per device
 from exaserve_hpc.protocol import ReplicaStatus, StartReplica, encode
 from exaserve_hpc.agent.lifecycle import Lifecycle, ReplicaState
 
@@ -129,9 +130,6 @@ def without_mpi_wiring(env: dict[str, str]) -> dict[str, str]:
     """`env` less the step's PMIx/MPI/task variables (MPI_WIRING_*); the job's own (SLURM_JOB_*) stay."""
     return {k: v for k, v in env.items() if not k.startswith(MPI_WIRING_PREFIXES) and k not in MPI_WIRING_NAMES}
 
-
-# what the replica may use per device: its engine's memory bound (engine/trtllm_backend.py RESERVED_ENV)
-RESERVED_BYTES_ENV = "EXASERVE_RESERVED_BYTES_PER_DEVICE"
 
 
 def spawn(slot: ReplicaSlot, node: str, weights_dir: str, source: str,

@@ -13,13 +13,19 @@ an engine whose package is missing fails only where it is asked for.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from exaserve_hpc.cache.l3_store import manifest_bytes
+from exaserve_hpc.engine.base import EngineError
+from exaserve_hpc.protocol import EngineSettings
+
 if TYPE_CHECKING:
-    from exaserve_hpc.protocol import StartReplica
     from exaserve_hpc.engine.base import Engine
+    from exaserve_hpc.protocol import StartReplica
 
 RUNTIME_OVERHEAD = 0.25  # a checkpoint's bytes x 1.25 when the controller gives no figure (KV cache, activations)
 
@@ -67,7 +73,6 @@ class EngineSpec:
         """Bytes per device to reserve when the controller did not say: the checkpoint plus overhead."""
         if not self.needs_weights:
             return 0
-        from exaserve_hpc.cache.l3_store import manifest_bytes
         return int(manifest_bytes(replica.model_dir) * (1 + RUNTIME_OVERHEAD) / max(1, replica.devices))
 
 
@@ -76,6 +81,18 @@ class UnknownEngine(ValueError):
 
 
 # ---------------------------------------------------------------- build functions
+
+# What a replica may use per device: its engine's memory bound, set by the agent (agent/replica_process.py)
+RESERVED_ENV = "EXASERVE_RESERVED_BYTES_PER_DEVICE"
+
+
+def _engine_class(where: str) -> type:
+    """An engine class by "module:class", imported when a replica first builds it: listing the engines
+    (the site schema, the agent's sizing) loads none of them, and a missing optional package fails only
+    the replica that asks for its engine."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def _options(replica: "StartReplica", integers: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> dict[str, Any]:
     """The engine-specific knobs (EngineSettings.options) this engine takes, typed; others are refused."""
@@ -101,14 +118,13 @@ def _batching(replica: "StartReplica", **extra) -> dict[str, Any]:
 
 
 def _build_echo(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from exaserve_hpc.engine.echo import EchoEngine
     s = replica.settings
-    return EchoEngine(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
+    return _engine_class("exaserve_hpc.engine.echo:EchoEngine")(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
                       **_options(replica, integers=("tokens_per_step",), floats=("step_delay",)))
 
 
 def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from exaserve_hpc.engine.reference import ReferenceEngine
+    ReferenceEngine = _engine_class("exaserve_hpc.engine.reference:ReferenceEngine")
     kwargs = _batching(replica, **_options(replica, integers=KV_OPTIONS), **extra)
     if isinstance(weights, tuple):
         return ReferenceEngine.from_weights(*weights, **kwargs)
@@ -116,8 +132,7 @@ def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Eng
 
 
 def _build_timing(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from exaserve_hpc.engine.timing import TimingEngine
-    return TimingEngine(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
+    return _engine_class("exaserve_hpc.engine.timing:TimingEngine")(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
 
 
 def reserved_bytes_per_device(replica: "StartReplica") -> int:
@@ -125,8 +140,6 @@ def reserved_bytes_per_device(replica: "StartReplica") -> int:
     agent's reservation is only its estimate from the checkpoint, no bound to size a KV pool by); else what
     the agent reserved for it (the figure rounded up to the pool's blocks, in the replica's environment,
     agent/replica_process.py), or the figure itself."""
-    import os
-    from exaserve_hpc.engine.trtllm_backend import RESERVED_ENV
     if not replica.memory_bytes:
         return 0
     try:
@@ -136,7 +149,7 @@ def reserved_bytes_per_device(replica: "StartReplica") -> int:
 
 
 def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    from exaserve_hpc.engine.trtllm_backend import TrtLlmEngine
+    TrtLlmEngine = _engine_class("exaserve_hpc.engine.trtllm_backend:TrtLlmEngine")
     s = replica.settings
     options = _options(replica, integers=("block_size", "pipeline_parallel_size"), floats=("gpu_memory_utilization",))
     devices, pp = max(1, replica.devices), options.get("pipeline_parallel_size", 1)
@@ -198,7 +211,6 @@ def build_engine(replica: "StartReplica", weights: Weights = None, **extra) -> "
 
     ``extra``: keywords the replica adds for engines that take them (``kv_events_endpoint``).
     """
-    from exaserve_hpc.engine.base import EngineError
     spec = engine_spec(replica.settings.engine)
     if not spec.available():
         raise EngineError(spec.missing_package_message() + "; or choose another engine for this model")
@@ -218,7 +230,6 @@ def unavailable_engines(engines: list[str]) -> dict[str, str]:
 def engine_settings(site, model):
     """The EngineSettings a replica of ``model`` gets (config.SiteConfig, config.ModelConfig): the site's
     batching, the model's limits, and the options the site gives its engine."""
-    from exaserve_hpc.protocol import EngineSettings
     b = site.batching
     return EngineSettings(
         engine=model.engine, max_batch_size=site.max_batch_size(model), max_seq_len=model.max_seq_len,

@@ -132,7 +132,6 @@ KV_EVENT_POLL_S = 0.05           # get_kv_cache_events' timeout, and the pause a
 ACTIVATION_RESERVE = 0.10        # of the reservation, kept out of the KV budget (activations, CUDA graphs)
 ACTIVATION_RESERVE_MIN = 1 << 30
 BOUNDED_FRACTION = 0.95          # free_gpu_memory_fraction when max_tokens bounds the pool
-RESERVED_ENV = "EXASERVE_RESERVED_BYTES_PER_DEVICE"
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
 
 

@@ -1,37 +1,47 @@
 """The routing policies by name (``router.policy``) and the one factory.
 
-Every policy implements `balancing.RoutingPolicy`; adding one is its class
-plus an entry here.
+Every policy implements `balancing.RoutingPolicy`; adding one is its class (a module of its own, or
+balancing.py) plus one line in ``POLICIES`` naming where it lives. The table names modules rather than
+importing them, as vLLM's model registry does, so the site schema (config/schema.py) can list the allowed
+names without loading the router: a policy's module is imported when a router first asks for it.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
-
-from exaserve_hpc.router.affinity import PrefixAffinity
-from exaserve_hpc.router.balancing import LeastLoad, LeastTokens, PowerOfTwo, RoundRobin, RoutingPolicy
 
 if TYPE_CHECKING:
     from exaserve_hpc.config.schema import BatchingConfig, RouterConfig
+    from exaserve_hpc.router.balancing import RoutingPolicy
 
-POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoad, LeastTokens, PowerOfTwo, PrefixAffinity)
+# name -> "module:class"; the class's `name` attribute must be its key (checked on first use)
+POLICIES: dict[str, str] = {
+    "round_robin": "exaserve_hpc.router.balancing:RoundRobin",
+    "least_load": "exaserve_hpc.router.balancing:LeastLoad",
+    "least_tokens": "exaserve_hpc.router.balancing:LeastTokens",
+    "power_of_two": "exaserve_hpc.router.balancing:PowerOfTwo",
+    "prefix_affinity": "exaserve_hpc.router.affinity:PrefixAffinity",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
-def policy_class(name: str) -> type[RoutingPolicy]:
+def policy_class(name: str) -> "type[RoutingPolicy]":
     try:
-        return POLICIES[name]
+        module, _, attribute = POLICIES[name].partition(":")
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
+    cls = getattr(importlib.import_module(module), attribute)
+    if cls.name != name:
+        raise RuntimeError(f"routing policy {name!r} is registered as {POLICIES[name]}, whose name is {cls.name!r}")
+    return cls
 
 
-def make_policy(name: str, **options) -> RoutingPolicy:
+def make_policy(name: str, **options) -> "RoutingPolicy":
     """A policy by name with explicit options (tests, benchmarks)."""
     return policy_class(name)(**options)
 
 
-def policy_for_site(router: "RouterConfig", batching: "BatchingConfig") -> RoutingPolicy:
+def policy_for_site(router: "RouterConfig", batching: "BatchingConfig") -> "RoutingPolicy":
     """The policy a site's router section names, with the settings the site gives it."""
     return policy_class(router.policy).from_site(router, batching)

@@ -20,7 +20,8 @@ from agent_harness import TINY
 from test_gpu_binding_process import STEP, AgentProcess, environ_of
 from exaserve_hpc.agent.replica_process import MPI_WIRING_NAMES, MPI_WIRING_PREFIXES, RESERVED_BYTES_ENV
 from exaserve_hpc.cache.checkpoint import create_tiny_checkpoint
-from exaserve_hpc.engine.trtllm_backend import RESERVED_ENV, kv_token_budget
+from exaserve_hpc.engine.registry import RESERVED_ENV
+from exaserve_hpc.engine.trtllm_backend import kv_token_budget
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, EngineSettings, ReplicaEvent, StartReplica, encode
 
 pytestmark = pytest.mark.process
