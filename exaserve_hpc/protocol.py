@@ -24,6 +24,7 @@ from array import array
 from typing import Iterator, Optional, Union
 
 import msgspec
+import zmq
 
 
 class _Msg(msgspec.Struct, tag_field="t", omit_defaults=True):
@@ -480,7 +481,6 @@ def receive_pending(socket, limit: int, log) -> Iterator[Message]:
     A frame that does not decode is logged and skipped: one bad peer must not
     stop a process that serves others.
     """
-    import zmq
 
     for _ in range(limit):
         try:

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from serve_harness import write_local_site
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, load_state
-from serve_harness import write_local_site
 
 pytestmark = pytest.mark.process
 
@@ -77,7 +77,7 @@ def test_every_rank_stops_gracefully(tmp_path, how):
 
 
 def test_an_agent_rank_stops_by_itself_when_rank_0_gives_no_order():
-    from exaserve_hpc.app.rank import stop_gracefully_on_signals
+    from exaserve_hpc.app.agents import stop_gracefully_on_signals
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGINT)}
     stopped = []
     try:

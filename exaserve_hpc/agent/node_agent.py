@@ -18,6 +18,7 @@ its L2 pin. Restarting or re-placing is the controller's decision.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -34,23 +35,29 @@ from typing import Optional
 import msgspec
 import zmq
 
-from exaserve_hpc.cache.checkpoint import CheckpointError
-from exaserve_hpc.cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
-from exaserve_hpc.engine.registry import ENGINES
-from exaserve_hpc.agent.adoption import backends, must_restart
-from exaserve_hpc.protocol import (
-    AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica,
-    StopReplica, encode, receive_pending,
-)
-from exaserve_hpc.units import format_size, parse_size
 from exaserve_hpc.agent import faults
+from exaserve_hpc.agent.adoption import backends, must_restart
+from exaserve_hpc.agent.gpu_binding import (
+    GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
+)
 from exaserve_hpc.agent.lifecycle import STOPPED_UNASKED, Lifecycle, ReplicaState
-from exaserve_hpc.agent.gpu_binding import GpuGrant, GpuGrantError, granted_telemetry, node_grant, node_pool, replica_binding
 from exaserve_hpc.agent.memory_pool import DEFAULT_BLOCK_SIZE, ReservationError
 from exaserve_hpc.agent.nvml_probe import host_memory, read_gpus
 from exaserve_hpc.agent.replica_main import die_with_parent
-from exaserve_hpc.agent.replica_process import ReplicaSlot, parse_status_line, replica_env, replica_threads, spawn, usable_cores
+from exaserve_hpc.agent.replica_process import (
+    ReplicaSlot, parse_status_line, replica_env, replica_threads, spawn, usable_cores
+)
 from exaserve_hpc.agent.weight_loader import PREFETCH, FillResult, WeightLoader
+from exaserve_hpc.cache.checkpoint import CheckpointError
+from exaserve_hpc.cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_page_note
+from exaserve_hpc.engine.registry import ENGINES
+from exaserve_hpc.observability.logs import configure_logging
+from exaserve_hpc.protocol import (
+    AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica, StopReplica, encode,
+    receive_pending
+)
+from exaserve_hpc.transport import replica_client_keys, secure_client
+from exaserve_hpc.units import format_size, parse_size
 
 log = logging.getLogger("exaserve.agent")
 
@@ -534,7 +541,6 @@ class NodeAgent:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import argparse
     parser = argparse.ArgumentParser(prog="exaserve-agent", description="Run the node agent of one node.")
     parser.add_argument("--controller", required=True, help="controller endpoint, e.g. tcp://host:port")
     parser.add_argument("--agent-id", default=pysocket.gethostname())
@@ -558,7 +564,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--memory-block", type=parse_size, default=DEFAULT_BLOCK_SIZE,
                         help="the memory pool's block size")
     args = parser.parse_args(argv)
-    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(text_format="%(asctime)s agent %(levelname)s %(message)s", role="agent")  # EXASERVE_LOG_*
     if args.die_with_parent:
         die_with_parent()
@@ -570,7 +575,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GpuGrantError as exc:
         print(f"exaserve-agent: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_GRANT
-    from exaserve_hpc.transport import replica_client_keys, secure_client
     keys = replica_client_keys(os.environ)  # `exaserve serve` names its run directory: the controller is CURVE
     if keys is not None:
         secure_client(agent.socket, keys)

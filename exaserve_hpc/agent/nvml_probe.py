@@ -17,13 +17,16 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+try:  # NVML itself may be missing at run time (no driver); that is a reason, not an error (see _each_gpu)
+    import pynvml
+except ImportError:
+    pynvml = None
+
 
 def _each_gpu(describe: Callable[[Any, int, Any], T]) -> tuple[list[T], str]:
     """describe(pynvml, index, handle) for every GPU NVML sees: (the results, reason when there are none).
     The one place that initialises and shuts down NVML and turns its failures into a reason."""
-    try:
-        import pynvml
-    except ImportError:
+    if pynvml is None:
         return [], "nvidia-ml-py is not installed"
     try:
         pynvml.nvmlInit()

@@ -32,14 +32,15 @@ from typing import Callable, Optional
 
 import zmq
 
-from exaserve_hpc.transport import replica_client_keys, secure_client
+from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.cache.tiers import load_weights
+from exaserve_hpc.engine.kv_events import kv_events_announced, kv_events_bind
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers
 from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_checkpoint
 from exaserve_hpc.engine.stage_link import LinkError, ZmqStageLink, address_towards, stage_name
 from exaserve_hpc.protocol import PipelineStage, StageHello, StageTable, StartReplica, decode, encode
-from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.transport import replica_client_keys, secure_client
 
 log = logging.getLogger("exaserve.stage")
 
@@ -121,7 +122,6 @@ def build_head(spec: StartReplica, args, reporter, make_engine) -> tuple[object,
     if spec.kv_snapshot_in or spec.kv_snapshot_out:  # a snapshot would hold stage 0's layers only
         log.warning("replica %s: KV snapshots are off for pipeline replicas", spec.replica_id)
         spec.kv_snapshot_in = spec.kv_snapshot_out = ""
-    from exaserve_hpc.agent.replica_main import kv_events_announced, kv_events_bind
     # KV events are stage 0's block manager's: every stage holds those blocks, so they describe the replica.
     engine = make_engine(spec, load_stage(spec, args, reporter), kv_events_endpoint=kv_events_bind(spec.router_backend),
                          kv_events_tokens=False)

@@ -31,7 +31,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket as pysocket
 import sys
 import time
 from pathlib import Path
@@ -39,20 +38,22 @@ from typing import Mapping, Optional
 
 import zmq
 
-from exaserve_hpc.protocol import (
-    Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError,
-    StartReplica, TokenChunk, decode,
-)
-from exaserve_hpc.engine.block_manager import install_block_hash_salt
-from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, load_client_keys, replica_client_keys
-from exaserve_hpc.engine.kv_events import secure_publishers
-from exaserve_hpc.cache.tiers import load_weights
-from exaserve_hpc.engine.base import EngineError
-from exaserve_hpc.engine.registry import build_engine, engine_spec
 from exaserve_hpc.agent import faults, pipeline_stage
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.router_links import RouterLinks
+from exaserve_hpc.cache.tiers import load_weights
+from exaserve_hpc.engine.base import EngineError, EngineRequest
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
+from exaserve_hpc.engine.kv_events import kv_events_announced, kv_events_bind, secure_publishers
+from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, load_kv_snapshot, write_kv_snapshot
+from exaserve_hpc.engine.registry import build_engine, engine_spec
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.observability.logs import configure_logging
+from exaserve_hpc.protocol import (
+    Abort, Drain, GenerateRequest, ReplicaBye, ReplicaHello, ReplicaStats, RequestError, StartReplica, TokenChunk,
+    decode
+)
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, load_client_keys, replica_client_keys
 
 log = logging.getLogger("exaserve.replica")
 _INJECTABLE = (ReplicaState.LOADING, ReplicaState.INITIALIZING, ReplicaState.WARMING, ReplicaState.REGISTERING,
@@ -113,27 +114,8 @@ def make_engine(spec: StartReplica, weights=None, **extra):
     return build_engine(spec, weights, **extra)
 
 
-def kv_events_bind(router_backend: str) -> str:
-    """Where the engine's KV-event PUB binds: loopback beside a loopback router, else every interface."""
-    host = router_backend.rpartition(":")[0].removeprefix("tcp://").strip("[]")
-    if host == "::1":
-        return "tcp://[::1]:*"
-    if host == "localhost" or host.startswith("127."):
-        return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:*"  # an address: bind takes no host name
-    return "tcp://*:*"
-
-
-def kv_events_announced(bound: str) -> str:
-    """The endpoint to announce: a wildcard bind is published under this node's name (as the router does)."""
-    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
-        if bound.startswith(wildcard):
-            return f"tcp://{pysocket.getfqdn()}:{bound[len(wildcard):]}"
-    return bound
-
-
 def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
     """Warm the prefix cache from spec.kv_snapshot_in; blocks installed (0 if refused)."""
-    from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, load_kv_snapshot
     started = time.monotonic()
     try:
         n = load_kv_snapshot(engine, spec.kv_snapshot_in)
@@ -150,7 +132,6 @@ def load_kv_snapshot_in(spec: StartReplica, engine) -> int:
 
 def write_kv_snapshot_out(spec: StartReplica, engine) -> int:
     """Write the hottest prefix blocks to spec.kv_snapshot_out; blocks written (0 if it failed)."""
-    from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, write_kv_snapshot
     started = time.monotonic()
     limit = spec.kv_snapshot_max_blocks or getattr(getattr(engine, "blocks", None), "num_blocks", 0)
     try:
@@ -278,7 +259,6 @@ class ReplicaServer:
                 self.request_drain(message.timeout)
 
     def _admit(self, request: GenerateRequest) -> None:
-        from exaserve_hpc.engine.base import EngineRequest
         if self.draining:
             self._send(RequestError(request_id=request.request_id, status=503, code="draining",
                                     message=f"replica {self.spec.replica_id} is draining", retry_after=0.1))
@@ -367,7 +347,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--weights-dir", help="L2 entry (or L3 checkpoint) to load; default: the spec's model_dir")
     parser.add_argument("--weights-source", choices=("l2", "l3"), default="l3")
     args = parser.parse_args(argv)
-    from exaserve_hpc.observability.logs import configure_logging
     configure_logging(text_format="%(asctime)s replica %(levelname)s %(message)s", role="replica")  # EXASERVE_LOG_*
     die_with_parent()
     spec = decode(bytes.fromhex(args.spec))

@@ -36,8 +36,9 @@ import zmq
 
 from exaserve_hpc.protocol import (
     Abort, DecodeError, GenerateRequest, Message, ReplicaHello, RequestError, Routers, SayHello, TokenChunk,
-    TokenChunks, decode, encode,
+    TokenChunks, decode, encode
 )
+from exaserve_hpc.transport import secure_client
 
 log = logging.getLogger("exaserve.replica")
 
@@ -69,7 +70,6 @@ class RouterLinks:
         return len(self.sockets) > 1
 
     def _open(self, endpoint: str) -> int:
-        from exaserve_hpc.transport import secure_client
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 2000)

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.protocol import ReplicaEvent
+
 log = logging.getLogger("exaserve.control")
 
 RESTARTS = 5          # agent restarts allowed within WINDOW seconds
@@ -168,8 +171,6 @@ class AgentSupervisor:
 
     def _replace_replicas(self, process: subprocess.Popen, stale: dict, why: str) -> None:
         """Once the new agent has said hello, the controller restarts the old agent's replicas on it."""
-        from exaserve_hpc.protocol import ReplicaEvent
-        from exaserve_hpc.agent.lifecycle import ReplicaState
         deadline = time.monotonic() + HELLO_WAIT
         while time.monotonic() < deadline and process.poll() is None and not self._stopping:
             with self.controller.fleet.lock:

@@ -14,7 +14,7 @@ The one shutdown order, whatever stopped it (a signal: Ctrl-C, scancel's TERM, S
 the time limit; a requeue; a stop file):
   1. the gateway stops taking requests (its listener closes, /health is 503); open streams get
      gateway.stop_grace (10 s) to finish while every replica still serves, and those still open then end
-     with an SSE error event (server_stopping) and `data: [DONE]` (control_plane_routing.gateway_server);
+     with an SSE error event (server_stopping) and `data: [DONE]` (gateway/server.py gateway_server);
   2. stop hooks (the requeue watch, which releases replacement-node jobs);
   3. the controller's state is written (begun at the signal itself, before agents drain);
   4. every agent drains and stops its replicas (controller.shutdown), and this node's agent exits,
@@ -32,7 +32,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,14 +41,24 @@ from typing import Any, Callable, Optional
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from exaserve_hpc.observability.collector import watch_fleet
-from exaserve_hpc.agent import faults
 from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
-from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.app.routing import (  # the routers and gateways (app/routing.py)
-    STOP_SIGNALS, ControlPlaneError, gateway_server, listen_socket, plane_gateway_app, plane_routers)
-from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+from exaserve_hpc.agent import faults
+from exaserve_hpc.agent.gpu_binding import GpuGrantError
+from exaserve_hpc.app.agent_supervisor import AgentSupervisor
+from exaserve_hpc.app.agents import agent_from_site, agent_process
+from exaserve_hpc.app.routing import ControlPlaneError, plane_gateway_app, plane_routers
+from exaserve_hpc.app.several_routers import gateway_admission
 from exaserve_hpc.app.state_keeper import StateKeeper
+from exaserve_hpc.cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
+from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+from exaserve_hpc.engine.registry import engine_spec
+from exaserve_hpc.gateway.admin_api import admin_key_for
+from exaserve_hpc.gateway.http_limits import HttpLimits
+from exaserve_hpc.gateway.server import STOP_SIGNALS, gateway_server, listen_socket
+from exaserve_hpc.observability.collector import watch_fleet
+from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
+from exaserve_hpc.scheduler.controller import Controller
 
 log = logging.getLogger("exaserve.control")
 console = Console(stderr=True)
@@ -58,8 +67,6 @@ ServeError = ControlPlaneError  # the name `exaserve serve` used
 
 def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
     """Create missing tiny checkpoints (with a progress bar); refuse a missing real one."""
-    from exaserve_hpc.cache.checkpoint import CheckpointError, TinyModelSpec, ensure_tiny_checkpoint
-    from exaserve_hpc.engine.registry import engine_spec
 
     for model in site.models:
         engine = engine_spec(model.engine)
@@ -86,20 +93,6 @@ def ensure_checkpoints(site: SiteConfig, show_progress: bool = True) -> None:
                 ensure_tiny_checkpoint(directory, spec, progress=report)
             except CheckpointError as exc:
                 raise ControlPlaneError(f"model {model.model_name}: {exc}") from exc
-
-
-def start_agent_process(controller_endpoint: str, agent_id: str, site: SiteConfig,
-                        env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    """This node's agent as a child process (`exaserve serve`): it dies with us. `env` is added to ours
-    (CURVE_JOB_DIR_VARIABLE: where it and its replicas read the run's keys)."""
-    from exaserve_hpc.agent.node_agent import default_l2_root
-    command = [sys.executable, "-m", "exaserve_hpc.agent", "--controller", controller_endpoint,
-               "--agent-id", agent_id, "--heartbeat", str(site.heartbeat.interval), "--die-with-parent",
-               "--controller-timeout", str(site.heartbeat.controller_timeout),
-               "--l2-capacity", str(int(site.weight_cache.l2_capacity)),
-               "--l2-dir", str(default_l2_root(agent_id, site.weight_cache.l2_path)),
-               "--gpus-per-node", str(site.cluster.gpus_per_node)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
 
 def write_state(run_dir: Path, url: str, site: SiteConfig, routers: Optional[list[dict]] = None) -> Path:
@@ -174,8 +167,6 @@ class ControlPlane:
     # ---------------------------------------------------------------- building
 
     def _build(self) -> None:
-        from exaserve_hpc.scheduler.controller import Controller
-
         site, s = self.site, self.settings
         ensure_checkpoints(site, show_progress=s.show_progress)
         gateway = site.gateway
@@ -250,27 +241,17 @@ class ControlPlane:
             return
         endpoint = self.controller.endpoint
         if not s.agent_in_thread:  # restarted when it dies on its own (app/agent_supervisor.py)
-            from exaserve_hpc.app.agent_supervisor import AgentSupervisor
             self.agent_supervisor = AgentSupervisor(
-                lambda: start_agent_process(endpoint, s.node, site, env=s.replica_env), self.controller, s.node,
+                lambda: agent_process(endpoint, s.node, site, env=s.replica_env), self.controller, s.node,
                 on_give_up=self._agent_gave_up)
             self.agent_thread = None
             self._closers.append(self.agent_supervisor.kill)
             self.controller.process_check = self.agent_supervisor.check  # liveness: the child checked directly
             return
-        from exaserve_hpc.agent.gpu_binding import GpuGrantError
-        from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
-        from exaserve_hpc.transport import secure_client
         try:
-            agent = NodeAgent(endpoint, s.node, site.heartbeat.interval, node_index=s.node_index, hostname=s.node,
-                              l2_capacity=site.weight_cache.l2_capacity,
-                              l2_root=str(default_l2_root(s.node, site.weight_cache.l2_path)),
-                              controller_timeout=site.heartbeat.controller_timeout,
-                              replica_env=s.replica_env or None, gpus_per_node=site.cluster.gpus_per_node)
+            agent = agent_from_site(site, endpoint, s.node, s.node_index, s.curve, s.replica_env)
         except GpuGrantError as exc:
             raise ControlPlaneError(str(exc)) from exc
-        if s.curve is not None:
-            secure_client(agent.socket, s.curve)
         self.agent_supervisor = None
         self.agent_thread = threading.Thread(target=agent.run, name="exaserve-agent-rank0", daemon=True)
         self.agent_thread.start()
@@ -286,9 +267,7 @@ class ControlPlane:
             self.request_stop(why)
 
     def _app(self):
-        from exaserve_hpc.gateway.admin_api import admin_key_for
         self._admin_key = admin_key_for(self.site, self.settings.state_dir)  # the site's, or one made for this run
-        from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
         # A job's ledger lives beside its job directory (JOB_ROOT/usage), not in it: a requeued job, or the
         # successor that replaces it with the lost nodes excluded, appends to the same ledger.
         ledger_home = Path(self.settings.state_dir).parent if self.settings.across_nodes else self.settings.state_dir
@@ -297,7 +276,6 @@ class ControlPlane:
         self._ledger.restore(self.controller.restored)  # the checkpoint's quota section, then the ledger past it
         self.keeper.quota = self._ledger.quota_state  # and every later checkpoint carries the ledger's figures
         self.add_stop_hook(self._ledger.close)
-        from exaserve_hpc.app.several_routers import gateway_admission  # serve: all its gateways share it; launch: rank 0's part
         self._admission = (self.settings.local_admission if self.settings.local_admission is not None else
                            gateway_admission(self.site, self._ledger, self.settings.across_nodes))
         return self._gateway_app(self.router.frontend_endpoint)
@@ -368,7 +346,6 @@ class ControlPlane:
         late = faults.delay("gateway_late")
         if late:  # a test's window between serve.json and the gateway's own signal handlers
             time.sleep(late)
-        from exaserve_hpc.gateway.http_limits import HttpLimits
         self.server = gateway_server(self.app, on_signal=self._on_signal,
                                      log_level=os.environ.get("EXASERVE_HTTP_LOG", "warning"),
                                      grace=self.site.gateway.stop_grace, limits=HttpLimits.from_site(self.site),

@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import Optional
 
 from exaserve_hpc.addresses import AddressError, resolve_listen
-from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, curve_available, make_curve_keys
-from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, publish_controller
-from exaserve_hpc.jobenv.base import RankInfo
-from exaserve_hpc.engine.block_manager import install_block_hash_salt
-from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.jobenv import JobEnvironment
 from exaserve_hpc.agent.adoption import former_leaders
+from exaserve_hpc.app.agents import AGENT_STOP_GRACE, build_agent
+from exaserve_hpc.app.control_plane import ControlPlane, ControlPlaneError, PlaneSettings
+from exaserve_hpc.app.controller_lost import end_if_batch_host_lost
+from exaserve_hpc.app.requeue_watch import start_requeue_watch
+from exaserve_hpc.app.router_rank import RankRouter, check_router_count, router_keys
+from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, publish_controller
+from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.ha.election import Deposed, Election
 from exaserve_hpc.ha.etcd_client import EtcdClient, EtcdUnavailable
 from exaserve_hpc.ha.etcd_member import EtcdMember, EtcdMemberError, MemberSpec
@@ -46,6 +47,11 @@ from exaserve_hpc.ha.etcd_tls import TlsError, TlsFiles, ensure_ca, issue
 from exaserve_hpc.ha.fleet_store import FleetStateWriter, read_state
 from exaserve_hpc.ha.follow import LeaderFollower, current_controller, failed_start
 from exaserve_hpc.ha.lease_policy import LeaseTiming
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.jobenv import JobEnvironment
+from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.quota.accounts import check_quota_accounts
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, curve_available, make_curve_keys
 
 log = logging.getLogger("exaserve.ha")
 
@@ -164,7 +170,6 @@ class Candidate:
     # ---------------------------------------------------------------- agent
 
     def ensure_agent(self, info: ControllerInfo) -> None:
-        from exaserve_hpc.app.rank import build_agent
         if self.agent is not None:
             return
         self.agent = build_agent(info, self.site, self.rank, self.jobdir)
@@ -177,7 +182,6 @@ class Candidate:
         """Router k and gateway k (router.count > 1, rank k < N), registered before this rank's agent
         connects (placement waits for every agent, so the leader knows every router before replicas start).
         Started once: a leader uses it as its local router; losing or winning the lead leaves it serving."""
-        from exaserve_hpc.app.router_rank import RankRouter
         if self.rank_router is None and self.site.router.count > 1 and self.rank.rank < self.site.router.count:
             self.rank_router = RankRouter(self.site, self.rank, self.jobdir, self.args, keys,
                                           lambda: current_controller(self.jobdir, self.rank))
@@ -185,7 +189,6 @@ class Candidate:
 
     def _on_stop_signal(self, sig, frame) -> None:
         """Before this rank leads: a stop is the leader's to order, else the agent drains after a grace."""
-        from exaserve_hpc.app.rank import AGENT_STOP_GRACE
         print(f"exaserve: {signal.Signals(sig).name}: stopping (by the leader's order, or in "
               f"{AGENT_STOP_GRACE:.0f}s)", flush=True)
         self.stop_asked = True
@@ -206,8 +209,6 @@ class Candidate:
 
     def lead(self) -> tuple[int, bool]:
         """Run the control plane while leading: (exit code, whether it ended by deposition)."""
-        from exaserve_hpc.app.control_plane import ControlPlane, PlaneSettings
-        from exaserve_hpc.app.rank import check_quota_accounts, start_requeue_watch
         previous = current_controller(self.jobdir, self.rank)
         nodes = list(previous.nodes) if previous else self.nodes
         expected = nodes or None
@@ -339,7 +340,6 @@ class Candidate:
                 if self.agent is None:
                     info = current_controller(self.jobdir, self.rank)
                     if info is not None:
-                        from exaserve_hpc.app.router_rank import router_keys
                         self.ensure_router(router_keys(self.jobdir, info))
                         self.ensure_agent(info)
                     elif failed_start(self.jobdir, self.rank):
@@ -363,8 +363,6 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
                 inventories: list[NodeInventory], args: argparse.Namespace) -> int:
     """One rank of `exaserve launch` with `ha.etcd` set (app/rank.py)."""
     if site.router.count > 1:  # router k runs on rank k: every rank says so, so the whole step ends
-        from exaserve_hpc.app.control_plane import ControlPlaneError
-        from exaserve_hpc.app.router_rank import check_router_count
         try:
             check_router_count(site, rank.size)
         except ControlPlaneError as exc:
@@ -382,6 +380,5 @@ def run_ha_rank(site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: J
         if member is not None:
             member.stop()
         if candidate is not None and candidate.stopped_the_job:  # the leader that stopped the run, last of all:
-            from exaserve_hpc.app.controller_lost import end_if_batch_host_lost  # a job whose batch host is down
             end_if_batch_host_lost(job, rank, jobdir, "the run stopped")  # would otherwise stay RUNNING
 

@@ -15,13 +15,17 @@ runs: nothing ends the watch but stop() or an acted-on decision.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from exaserve_hpc.config.schema import SiteConfig, resolve_site
+from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.jobenv.base import RankInfo
 from exaserve_hpc.scheduler.replacement_policy import replacement_decision
 from exaserve_hpc.scheduler.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
 
@@ -166,3 +170,24 @@ class RequeueWatch:
         print(f"exaserve: {self.outcome.detail}", flush=True)
         if self.outcome.stop_now:
             self.request_stop(self.outcome.detail)
+
+
+def requeue_policy(site: SiteConfig, args: argparse.Namespace):
+    """The site's requeue triggers, each overridden by its flag when given."""
+    r = site.requeue
+    return RequeuePolicy(capacity_floor=r.capacity_floor if args.capacity_floor is None else args.capacity_floor,
+                         time_margin=r.time_margin if args.time_margin is None else args.time_margin)
+
+
+def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
+                        nodes: list[str], args: argparse.Namespace):
+    """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue,
+    and in any case for the batch script's stop-requested file."""
+    requeue = not args.no_requeue and site.requeue.enabled and job.can_requeue
+    replace = requeue and (site.requeue.replace_lost_nodes if args.replace_lost_nodes is None
+                           else args.replace_lost_nodes)
+    if replace:
+        job.enable_node_requests(site, resolve_site(args.site), jobdir.path)
+    return RequeueWatch(plane.controller, job, plane.keeper, jobdir.path, nodes, rank.node,
+                        requeue_policy(site, args), replace_lost_nodes=replace,
+                        request_stop=plane.request_stop, requeue=requeue).start()

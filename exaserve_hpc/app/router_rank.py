@@ -33,12 +33,28 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.bootstrap import ControllerInfo, wait_for_controller
-from exaserve_hpc.transport import CurveKeys
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
 from exaserve_hpc.agent import faults
+from exaserve_hpc.agent.gpu_binding import GpuGrantError
+from exaserve_hpc.agent.node_agent import EXIT_BAD_GRANT
+from exaserve_hpc.app.agents import agent_from_site, stop_gracefully_on_signals
+from exaserve_hpc.app.routing import ControlPlaneError, make_router
+from exaserve_hpc.app.several_routers import gateway_admission, router_file, run_tag
+from exaserve_hpc.bootstrap import ControllerInfo, wait_for_controller
 from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
+from exaserve_hpc.gateway.admin_api import ADMIN_KEY_FILE
+from exaserve_hpc.gateway.app import create_app
+from exaserve_hpc.gateway.backend import ModelInfo
+from exaserve_hpc.gateway.http_limits import HttpLimits
+from exaserve_hpc.gateway.router_client import RouterClient
+from exaserve_hpc.gateway.server import gateway_server, listen_socket
+from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.jobenv.base import RESUME_VARIABLE, RankInfo
+from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
+from exaserve_hpc.router.router_link import RouterControl
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys
 
 log = logging.getLogger("exaserve.launch")
 
@@ -52,7 +68,6 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
     try:
         found = CurveKeys(info.server_public_key.encode(), (keys / "server.key").read_bytes(),
                           (keys / "client.pub").read_bytes(), (keys / "client.key").read_bytes())
-        from exaserve_hpc.engine.block_manager import install_block_hash_salt
         install_block_hash_salt(jobdir)  # this router and its gateway hash prompts as the job's replicas do
         return found
     except OSError as exc:
@@ -63,7 +78,6 @@ def router_keys(jobdir: JobDir, info: ControllerInfo) -> Optional[CurveKeys]:
 def check_router_count(site: SiteConfig, size: int) -> None:
     """router.count routers need that many ranks (router k runs on rank k)."""
     if site.router.count > size:
-        from exaserve_hpc.app.routing import ControlPlaneError
         raise ControlPlaneError(f"router.count is {site.router.count} but the job has {size} node(s); allowed: "
                                 f"1 to {size} (router k runs on rank k), or submit with --nodes {site.router.count}")
 
@@ -75,9 +89,6 @@ class RankRouter:
 
     def __init__(self, site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, keys: Optional[CurveKeys],
                  controller: Callable[[], Optional[ControllerInfo]]):
-        from exaserve_hpc.addresses import AddressError, http_url, resolve_listen
-        from exaserve_hpc.app.routing import ControlPlaneError, listen_socket, make_router
-        from exaserve_hpc.router.router_link import RouterControl
         r, g = site.router, site.gateway
         try:
             bind, _ = resolve_listen(r.host, r.interface, rank.node,
@@ -96,8 +107,6 @@ class RankRouter:
                                       "gateway.port" if args.port is None else "--port")
         self.url = http_url(publish, self.listener.getsockname()[1])
         app, self.ledger, self.admission = gateway_app(site, self.router, jobdir, keys, rank, controller)
-        from exaserve_hpc.app.routing import gateway_server  # rank 0's stop grace and connection limits
-        from exaserve_hpc.gateway.http_limits import HttpLimits
         self.server = gateway_server(app, log_level="warning", access_log=False, grace=g.stop_grace,
                                      limits=HttpLimits.from_site(site))
         self.stop_grace = g.stop_grace
@@ -108,7 +117,6 @@ class RankRouter:
 
     def register(self) -> None:
         """JOBDIR/routers/rank-K.json: rank 0 (or an HA leader) adds this router to its group."""
-        from exaserve_hpc.app.several_routers import router_file, run_tag
         rank = self.rank
         self.jobdir.write_json(router_file(rank.rank), {
             "run": run_tag(rank.job_id, rank.restart), "rank": rank.rank, "node": rank.node,
@@ -131,10 +139,6 @@ class RankRouter:
 
 
 def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm=None) -> int:
-    from exaserve_hpc.agent.gpu_binding import GpuGrantError
-    from exaserve_hpc.agent.node_agent import EXIT_BAD_GRANT
-    from exaserve_hpc.app.rank import stop_gracefully_on_signals
-
     info = wait_for_controller(rank, jobdir, comm)
     keys = router_keys(jobdir, info)
     service = RankRouter(site, rank, jobdir, args, keys, lambda: info)
@@ -147,7 +151,8 @@ def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm
         service.register()
     try:
         try:
-            agent = node_agent(info, site, rank, jobdir, keys)
+            agent = agent_from_site(site, info.endpoint, rank.node, rank.rank, keys,
+                                    {CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
         except GpuGrantError as exc:
             print(f"error: rank {rank.rank} on {rank.node}: {exc}", file=sys.stderr, flush=True)
             return EXIT_BAD_GRANT
@@ -160,27 +165,10 @@ def run_router_rank(site: SiteConfig, rank: RankInfo, jobdir: JobDir, args, comm
         service.stop()
 
 
-def node_agent(info: ControllerInfo, site: SiteConfig, rank: RankInfo, jobdir: JobDir, keys: Optional[CurveKeys]):
-    """This node's agent, as an agent rank makes it (app/rank.py): the controller's client, its
-    replicas reading the job's keys from the job directory."""
-    from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
-    from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, secure_client
-    agent = NodeAgent(info.endpoint, rank.node, site.heartbeat.interval, node_index=rank.rank, hostname=rank.node,
-                      l2_capacity=site.weight_cache.l2_capacity,
-                      l2_root=str(default_l2_root(rank.node, site.weight_cache.l2_path)),
-                      controller_timeout=site.heartbeat.controller_timeout, gpus_per_node=site.cluster.gpus_per_node,
-                      replica_env={CURVE_JOB_DIR_VARIABLE: str(jobdir.path.absolute())} if keys else None)
-    if keys is not None:
-        secure_client(agent.socket, keys)
-    return agent
-
-
 def restore_ledger(ledger, jobdir: JobDir) -> Optional[Path]:
     """The earlier runs' usage, as rank 0's plane restores its own (app/control_plane.py): the job's checkpoint
     (this job directory's, else a predecessor job's) and the ledger files past its positions; every ledger
     file without a readable one. Returns the checkpoint used."""
-    from exaserve_hpc.controller_state import CHECKPOINT_FILE, CheckpointFormatError, load_state
-    from exaserve_hpc.jobenv.base import RESUME_VARIABLE
     resume = os.environ.get(RESUME_VARIABLE)
     for directory in (jobdir.path, *([Path(resume)] if resume else [])):
         path = directory / CHECKPOINT_FILE
@@ -202,12 +190,6 @@ def gateway_app(site: SiteConfig, router, jobdir: JobDir, keys, rank: RankInfo,
     """This rank's gateway over its own router: the same app as rank 0's (keys, quotas, the job's usage
     ledger beside the job directory), with a status of this router (the fleet's is the controller's:
     `controller()` names the one of the moment, a new leader's after a failover under ha.etcd)."""
-    from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
-    from exaserve_hpc.gateway.admin_api import ADMIN_KEY_FILE
-    from exaserve_hpc.gateway.backend import ModelInfo
-    from exaserve_hpc.gateway.router_client import RouterClient
-    from exaserve_hpc.gateway.app import create_app
-    from exaserve_hpc.app.several_routers import gateway_admission
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
 

@@ -4,34 +4,37 @@ and router k on rank k (app/router_rank.py) make their routers and gateways from
     router = make_router(site, bind, frontend_port, backend_port, curve)   # a started ZmqRouter
     router, routers = plane_routers(site, settings, bind, closers)         # router 0, or a RouterGroup
     app = plane_gateway_app(site, frontend, controller, router, ...)       # the gateway with admin routes
-    server = gateway_server(app, on_signal=...)                            # its uvicorn, our signals
+    server = gateway_server(app, on_signal=...)                            # gateway/server.py
 
 Kept apart from app/control_plane.py, which builds the rest (checkpoints, controller, agent, state keeper)
-and owns the shutdown order. ControlPlaneError lives here because these builders raise it, and
-app/control_plane.py imports from this module (it re-exports the error, which callers know from there).
+and owns the shutdown order. app/control_plane.py re-exports ControlPlaneError, which callers know from there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 from typing import Callable
 
+from exaserve_hpc.agent.lifecycle import ReplicaState
+from exaserve_hpc.app.several_routers import SeveralRouters
 from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.gateway.admin_api import serving_admin_routes
+from exaserve_hpc.gateway.app import create_app
+from exaserve_hpc.gateway.backend import ModelInfo
+from exaserve_hpc.gateway.router_client import RouterClient
+from exaserve_hpc.gateway.server import StartError
 from exaserve_hpc.router.breaker import BreakerSettings
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
+from exaserve_hpc.router.policies import policy_for_site
+from exaserve_hpc.router.zmq_router import ZmqRouter
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class ControlPlaneError(Exception):
-    """A problem that stops the control plane before it serves; the message names the setting."""
+# A problem that stops the control plane before it serves; the message names the setting. The gateway's
+# listener (gateway/server.py) raises it too, so it is defined there.
+ControlPlaneError = StartError
 
 
 def router_policy(site: SiteConfig):
     """The routing policy the site's router section asks for, with its settings (router/policies.py)."""
-    from exaserve_hpc.router.policies import policy_for_site
     return policy_for_site(site.router, site.batching)
 
 
@@ -46,7 +49,6 @@ def dispatch_settings(site: SiteConfig) -> DispatchSettings:
 
 def make_router(site: SiteConfig, bind: str, frontend_port: int, backend_port: int, curve=None):
     """A started router (its own dispatcher) on `bind`; a port it cannot take is a ControlPlaneError."""
-    from exaserve_hpc.router.zmq_router import ZmqRouter
     dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {m.model_name for m in site.models})
     try:
         return ZmqRouter(dispatcher, bind, frontend_port, backend_port, curve=curve).start()
@@ -68,7 +70,6 @@ def plane_routers(site: SiteConfig, settings, router_bind: str, closers: list[Ca
         closers.append(router.stop)
     if site.router.count == 1:
         return router, None
-    from exaserve_hpc.app.several_routers import SeveralRouters  # several routers sharing the fleet (app/several_routers.py)
     routers = SeveralRouters(site, router, router_bind, settings,
                              lambda fp, bp: make_router(site, router_bind, fp, bp, settings.curve))
     closers.append(routers.stop)
@@ -79,10 +80,6 @@ def plane_gateway_app(site: SiteConfig, frontend: str, controller, router, gatew
                       admin_key, ledger, admission):
     """A gateway app over the router at `frontend` (router 0's; serve's other gateways, their router's), with
     the admin routes over `router` (router 0 or the group) and the controller."""
-    from exaserve_hpc.gateway.admin_api import serving_admin_routes
-    from exaserve_hpc.gateway.backend import ModelInfo
-    from exaserve_hpc.gateway.router_client import RouterClient
-    from exaserve_hpc.gateway.app import create_app
     created = int(time.time())
     models = [ModelInfo(name=m.model_name, max_seq_len=m.max_seq_len, created=created) for m in site.models]
     client = RouterClient(frontend, models, status=controller.status,
@@ -102,7 +99,6 @@ def fleet_can_serve(controller) -> bool:
     fleet = getattr(controller, "fleet", None)
     if agents is None or fleet is None:  # a controller without the fleet's tables (a test's stand-in)
         return True
-    from exaserve_hpc.agent.lifecycle import ReplicaState
     with fleet.lock:
         for record in controller.replicas.values():
             if record.state is not ReplicaState.SERVING:
@@ -112,90 +108,3 @@ def fleet_can_serve(controller) -> bool:
             if nodes and all(n in agents and not agents[n].lost for n in nodes):
                 return True
     return False
-
-
-def listen_socket(host: str, port: int, setting: str = "gateway.port"):
-    """Bind the gateway's socket ourselves, so port 0 works and a busy port is a clear error at start."""
-    import socket
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host.strip("[]"), port))
-    except OSError as exc:
-        sock.close()
-        raise ControlPlaneError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another port with "
-                                f"--port (0 picks a free one) or set {setting}") from exc
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
-
-
-def gateway_server(app, on_signal: Callable[[int], None] = lambda sig: None, *, grace: float = 10.0,
-                   limits=None, **config):
-    """A uvicorn server that stops on SIGINT, SIGTERM and SIGUSR1 and returns, so our shutdown runs.
-
-    uvicorn re-raises the captured signal after its own shutdown, which would kill this process
-    before the replicas are drained; we take that part out. on_signal(sig) runs first, in the handler
-    (only when run in the main thread; a gateway in another thread is stopped with should_exit).
-
-    Its stop never cuts a stream (issue 25 item 7): new connections are refused at once (the listener
-    closes), requests already open get `grace` seconds (gateway.stop_grace) to finish, and those still
-    open then end as the app's stop gate ends them (gateway/generation.py StopGate: an SSE error event
-    `server_stopping` and `data: [DONE]`, or a 503), so uvicorn's own cut (its timeout_graceful_shutdown,
-    a cancellation and a traceback per stream) is only a backstop 5 s later.
-    `limits` (router/http_limits.HttpLimits; default the class's): the connection cap and timeouts.
-    """
-    import asyncio
-    import threading
-
-    import uvicorn
-    from exaserve_hpc.gateway.http_limits import ConnectionGuard, HttpLimits, raise_fd_limit
-
-    raise_fd_limit()
-    limits = limits or HttpLimits()
-    guard = ConnectionGuard(limits)
-    gate = getattr(getattr(app, "state", None), "stop_gate", None)
-
-    class GatewayServer(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            timer = None
-            if gate is not None:
-                gate.stopping = True  # new requests on open connections: 503; /health: 503
-
-                def end_open_requests() -> None:
-                    ended = gate.interrupt_all(f"the server is stopping and the request did not finish within "
-                                               f"the stop grace ({grace:g}s, gateway.stop_grace); retry it")
-                    if ended:
-                        print(f"exaserve: stop grace ({grace:g}s) over: {ended} open request(s) ended with an "
-                              "error event", flush=True)
-                timer = asyncio.get_running_loop().call_later(grace, end_open_requests)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                if timer is not None:
-                    timer.cancel()
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-
-            def handle(sig, frame):
-                on_signal(sig)
-                self.handle_exit(sig if sig == signal.SIGINT else signal.SIGTERM, frame)
-
-            previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    config.setdefault("log_config", None)  # uvicorn's lines go through our handlers (rate-limited, logs.py)
-    config.setdefault("timeout_keep_alive", max(1, int(limits.keep_alive_timeout)))
-    config["timeout_graceful_shutdown"] = int(grace) + 5  # the backstop (see above)
-    server = GatewayServer(uvicorn.Config(app, http=guard.protocol_class(), **config))
-    server.guard = guard
-    return server

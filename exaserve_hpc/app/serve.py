@@ -15,6 +15,7 @@ without it is refused at the handshake and logged once per key.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -23,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, make_curve_keys
-from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.engine.block_manager import install_block_hash_salt
-from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.agent.node_agent import L2_RUN_VARIABLE
 from exaserve_hpc.app.control_plane import ControlPlane, ControlPlaneError, PlaneSettings, console
+from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.engine.block_manager import install_block_hash_salt
+from exaserve_hpc.jobdir import JobDir
+from exaserve_hpc.quota.keys import key_file_problems
+from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, make_curve_keys
 
 ServeError = ControlPlaneError
 
@@ -72,7 +75,6 @@ def run_keys(run_dir: JobDir):
 
 def l2_run(run_dir: Path) -> str:
     """The L2 identity of the server whose run directory this is: a digest of its resolved path."""
-    import hashlib
     return "serve-" + hashlib.blake2b(os.path.realpath(run_dir).encode(), digest_size=6).hexdigest()
 
 
@@ -80,7 +82,6 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     # Whatever this server, its agent and replicas create (KV snapshots, L2 files, tiny checkpoints, logs)
     # is the user's own: 0700 directories, 0600 files (issue 13 item 14).
     os.umask(0o077)
-    from exaserve_hpc.quota.keys import key_file_problems
     if problems := key_file_problems(site):  # before the run directory exists: nothing is left behind
         raise ServeError("; ".join(problems))
     run_dir = private_run_dir(options.run_dir or site.run_path)
@@ -88,7 +89,6 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
     install_block_hash_salt(run_dir)  # made with the keys: this run's router and gateway hash as its replicas do
     # The run's identity in its L2 directory (agent/node_agent.py default_l2_root; the agent inherits it): two
     # servers of this user never share, adopt or clear each other's L2 files; a restart finds its own.
-    from exaserve_hpc.agent.node_agent import L2_RUN_VARIABLE
     os.environ[L2_RUN_VARIABLE] = l2_run(run_dir.path)
     plane = ControlPlane(site, PlaneSettings(
         node=site.cluster.hostnames()[0], state_dir=run_dir.path, host=options.host, port=options.port,

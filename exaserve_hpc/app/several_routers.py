@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from exaserve_hpc.addresses import http_url
+from exaserve_hpc.agent.adoption import adopt, adoptable_ranks
+from exaserve_hpc.gateway.app import site_admission
+from exaserve_hpc.gateway.http_limits import HttpLimits
+from exaserve_hpc.gateway.server import gateway_server
+from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.router.router_group import RouterGroup
+from exaserve_hpc.router.router_link import RemoteRouter
 
 log = logging.getLogger("exaserve.control")
 
@@ -45,7 +51,6 @@ def gateway_admission(site, ledger, across_nodes: bool, rank: int = 0):
     """The admission (quota limits) of this process's gateways. `exaserve serve`: one for all of them, shared
     by their threads, so every limit holds exactly; `exaserve launch`: gateway k, on rank k, holds its part of
     each limit, the parts adding up to the configured one (gateway/admission.py)."""
-    from exaserve_hpc.gateway.app import site_admission
     gateways = site.router.count if across_nodes else 1
     return site_admission(site, ledger, (rank, gateways))
 
@@ -73,7 +78,6 @@ class SeveralRouters:
                 self.local.append(router)
                 self.group.add(router)
         else:
-            from exaserve_hpc.agent.adoption import adoptable_ranks
             self._discovery = RouterDiscovery(self.group, Path(settings.state_dir),
                                               run_tag(settings.job_id, settings.restart),
                                               adoptable_ranks(self.count, settings.node_index if
@@ -87,8 +91,6 @@ class SeveralRouters:
     def start_gateways(self, make_app: Callable[[str], object], listen: Callable[[int], object], publish: str,
                        port: int) -> list[str]:
         """A gateway per local router beyond the first (uvicorn in a thread each); their URLs."""
-        from exaserve_hpc.app.routing import gateway_server  # the stop grace and connection limits of the main one
-        from exaserve_hpc.gateway.http_limits import HttpLimits
         urls = []
         for k, router in enumerate(self.local[1:], start=1):
             listener = listen(port + k if port else 0)
@@ -136,9 +138,6 @@ class RouterDiscovery:
         joined = False
         with self._lock:
             self._next = self.clock() + DISCOVER_EVERY
-            from exaserve_hpc.jobdir import JobDir
-            from exaserve_hpc.agent.adoption import adopt
-            from exaserve_hpc.router.router_link import RemoteRouter
             for rank in sorted(self.missing):
                 info: Optional[dict] = JobDir(self.job_dir).read_json(router_file(rank))
                 if info and info.get("run") == self.tag and info.get("node") in self.lost_nodes:

@@ -40,15 +40,16 @@ from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
+from tokenizers import Tokenizer
 
 # Re-exported: callers import the checkpoint API from this module.
 from exaserve_hpc.cache.hf_format import (
-    GENERATION_CONFIG, HF_FORMAT, INDEX_FILE, SINGLE_FILE, generation_eos_ids, hf_name, internal_config,
-    is_hf_config, parse_safetensors, rename_weights, shard_files,
+    GENERATION_CONFIG, HF_FORMAT, INDEX_FILE, SINGLE_FILE, generation_eos_ids, hf_name, internal_config, is_hf_config,
+    parse_safetensors, rename_weights, shard_files
 )
 from exaserve_hpc.cache.manifest import (  # noqa: F401
-    MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, ChecksumError, Progress, check_size,
-    fsync_dir, read_bytes, read_manifest, verify_checkpoint, write_manifest, write_synced,
+    MANIFEST_FILE, MANIFEST_FORMAT, CheckpointError, ChecksumError, Progress, check_size, fsync_dir, read_bytes,
+    read_manifest, verify_checkpoint, write_manifest, write_synced
 )
 
 log = logging.getLogger("exaserve.checkpoint")
@@ -219,7 +220,6 @@ def check_weights(config: dict, weights: dict[str, np.ndarray]) -> None:
 def _rare_tiny_tokens() -> list[int]:
     """Tiny-tokenizer ids given logit 0 (rare, never a greedy pick): the special tokens, and byte pieces that
     are not text alone (half a UTF-8 character, control bytes), so the random model's text reads as words."""
-    from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(TINY_TOKENIZER_DIR / "tokenizer.json"))
     rare = list(TINY_SPECIAL_IDS)
     for i in range(TINY_SPECIAL_IDS.start):

@@ -31,6 +31,7 @@ import re
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from exaserve_hpc.cache.manifest import CheckpointError
@@ -233,7 +234,6 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.in
 def safetensors_dtype(code: str, where: str) -> np.dtype:
     """numpy dtype of a safetensors dtype code; BF16 through ml_dtypes (numpy has none)."""
     if code == "BF16":
-        import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     if code not in _DTYPES:
         raise CheckpointError(f"{where}: dtype {code!r} is not supported; valid: BF16, {', '.join(_DTYPES)}")

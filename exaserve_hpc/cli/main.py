@@ -27,9 +27,11 @@ from exaserve_hpc.app.serve import ServeError, ServeOptions, serve
 from exaserve_hpc.cache.checkpoint import CheckpointError, TinyModelSpec, create_tiny_checkpoint, verify_checkpoint
 from exaserve_hpc.cache.manifest import MANIFEST_FILE
 from exaserve_hpc.cache.model_import import import_model
+from exaserve_hpc.cli import simulate as simulate_cli
 from exaserve_hpc.cli.console import err, load_site_arg, out, running_server_url
 from exaserve_hpc.cli.quota import add_keys_arguments, add_usage_arguments
 from exaserve_hpc.cli.rollout import add_rollout_arguments, admin_headers, cmd_rollout
+from exaserve_hpc.cli.simulate import add_capacity_arguments, add_simulate_arguments
 from exaserve_hpc.cli.submit import add_submit_arguments, cmd_submit
 from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 from exaserve_hpc.modulefiles import add_modules_arguments
@@ -38,10 +40,6 @@ from exaserve_hpc.observability.watch import watch
 from exaserve_hpc.quota.accounts import AccountError, check_accounts
 from exaserve_hpc.quota.keys import key_file_problems, plaintext_warnings
 from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
-from exaserve_hpc.sim import capacity_check
-from exaserve_hpc.sim import run as sim_run
-from exaserve_hpc.sim.capacity_check import add_capacity_arguments
-from exaserve_hpc.sim.run import add_simulate_arguments
 from exaserve_hpc.units import format_size
 
 # ---------------------------------------------------------------- serve
@@ -257,11 +255,11 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    return sim_run.cmd_simulate(args, load_site_arg(args.site), err)
+    return simulate_cli.cmd_simulate(args, load_site_arg(args.site), err)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    return capacity_check.cmd_capacity(args, load_site_arg(args.site), out)
+    return simulate_cli.cmd_capacity(args, load_site_arg(args.site), out)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from rich.table import Table
+
 from exaserve_hpc.cli.console import err, load_site_arg, out
 from exaserve_hpc.quota.keys import append_key_hash, hash_key, key_file_path, new_key
 from exaserve_hpc.quota.ledger import BY_CHOICES, default_ledger_dirs, read_usage, summarize
@@ -94,7 +96,6 @@ def cmd_usage(args: argparse.Namespace) -> int:
         writer.writerows(rows)
         sys.stdout.write(buffer.getvalue())
         return 0
-    from rich.table import Table
     table = Table(title=f"usage by {args.by} ({directory})")
     for column in (args.by, *USAGE_COLUMNS):
         table.add_column(column, justify="left" if column == args.by else "right")

@@ -53,6 +53,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from exaserve_hpc.engine.tokenizer import ByteTokenizer
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
@@ -194,9 +201,6 @@ def _select_template(value: Any, path: Path) -> str | None:
 
 def _compile_template(source: str):
     """Compile like transformers' ``_compile_jinja_template`` (chat_template_utils.py)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise ChatTemplateError(str(message))
@@ -285,7 +289,6 @@ class HfTokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> "HfTokenizer":
         """Load the tokenizer of the checkpoint directory ``path`` (see the module docstring)."""
-        from tokenizers import Tokenizer
 
         root = Path(path)
         if not root.is_dir():
@@ -463,7 +466,6 @@ class HfTokenizer:
                 f"messages must be a list of {{'role', 'content'}} objects, got "
                 f"{type(messages).__name__}"
             )
-        import jinja2
 
         scope = dict(self.special_tokens)
         try:
@@ -605,7 +607,6 @@ def load_tokenizer(model_dir: str | os.PathLike[str] | None) -> ModelTokenizer:
     - A directory with tokenizer.json: ``HfTokenizer.from_dir``.
     - Otherwise TokenizerError naming what is missing.
     """
-    from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
     if model_dir is None:
         return ByteTokenizer()

@@ -26,6 +26,7 @@ secret salt (``block_manager.set_block_hash_salt``).
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Union
 
@@ -154,3 +155,21 @@ class KVEventPublisher:
             if self._zap is not None:
                 self._zap.stop()
                 self._zap = None
+
+
+def kv_events_bind(router_backend: str) -> str:
+    """Where the engine's KV-event PUB binds: loopback beside a loopback router, else every interface."""
+    host = router_backend.rpartition(":")[0].removeprefix("tcp://").strip("[]")
+    if host == "::1":
+        return "tcp://[::1]:*"
+    if host == "localhost" or host.startswith("127."):
+        return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:*"  # an address: bind takes no host name
+    return "tcp://*:*"
+
+
+def kv_events_announced(bound: str) -> str:
+    """The endpoint to announce: a wildcard bind is published under this node's name (as the router does)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
+        if bound.startswith(wildcard):
+            return f"tcp://{socket.getfqdn()}:{bound[len(wildcard):]}"
+    return bound

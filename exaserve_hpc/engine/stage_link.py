@@ -32,10 +32,15 @@ from __future__ import annotations
 import logging
 import socket as pysocket
 import threading
+import time
 from typing import Any, Callable, Optional, Protocol
 
 import msgspec
 import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from exaserve_hpc.transport import CurveKeys, secure_client, secure_server
 
 log = logging.getLogger("exaserve.stage_link")
 
@@ -101,7 +106,6 @@ class ZmqStageLink:
     def __init__(self, rank: int, size: int, nodes: list[str], host: str = "127.0.0.1", *,
                  timeout: float = 15.0, curve=None, context=None,
                  on_lost: Optional[Callable[[str], None]] = None):
-        import zmq
 
         self.rank, self.size, self.nodes, self.timeout = rank, size, list(nodes), timeout
         self.prev, self.next = (rank - 1) % size, (rank + 1) % size
@@ -113,7 +117,6 @@ class ZmqStageLink:
         self._zap = None
         self.inbound = self._socket(zmq.PULL)
         if curve is not None:
-            from exaserve_hpc.transport import CurveKeys, secure_server
             # Stages are peers holding the same job client keypair: each end proves it has the secret.
             own = CurveKeys(curve.client_public, curve.client_secret, curve.client_public, curve.client_secret)
             self._zap = secure_server(self.inbound, own, self.context, "stage link")
@@ -129,7 +132,6 @@ class ZmqStageLink:
         self._watchdog: Optional[threading.Thread] = None
 
     def _socket(self, kind):
-        import zmq
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         ivl = max(100, int(self.timeout * 1000 / 5))
@@ -140,13 +142,11 @@ class ZmqStageLink:
 
     def connect(self, endpoint: str) -> None:
         """Connect to the next stage's inbound endpoint and start watching both peers."""
-        import zmq
         self.outbound = self._socket(zmq.PUSH)
         self.outbound.setsockopt(zmq.IPV6, 1)  # the next stage may listen on an IPv6 address
         self.outbound.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not (or no longer) connected
         self.outbound.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
         if self.curve is not None:
-            from exaserve_hpc.transport import CurveKeys, secure_client
             c = self.curve
             secure_client(self.outbound, CurveKeys(c.client_public, b"", c.client_public, c.client_secret))
         self._monitors.append((self.outbound.get_monitor_socket(WATCHED), stage_name(self.next, self.nodes),
@@ -161,8 +161,6 @@ class ZmqStageLink:
         connection whose handshake completed first (a handshake event names no connection, so it is the
         one accepted or made last before it); that connection closing is the peer's loss. A stranger
         without the job's key fails the handshake, so its connections come and go without counting."""
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
 
         latest = [None] * len(self._monitors)  # fd of the connection accepted / made last, per side
         peer_fd = [None] * len(self._monitors)
@@ -193,7 +191,6 @@ class ZmqStageLink:
             self.on_lost(why)
 
     def send(self, header: Any, array: np.ndarray) -> None:
-        import zmq
         if self.lost:
             raise LinkError(self.lost)
         if self.outbound is None:
@@ -208,7 +205,6 @@ class ZmqStageLink:
             raise LinkError(why) from None
 
     def receive(self, timeout: Optional[float] = None) -> tuple[Any, np.ndarray]:
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.lost:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from exaserve_hpc.engine.base import StepOutput
 from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
 from exaserve_hpc.engine.gpu_specs import GPU_SPECS, roofline
@@ -105,7 +107,6 @@ def fit_timings(samples: list[StepSample], kv_bytes_per_token: int) -> GpuTiming
     """Least-squares fit of the five constants to measured steps, in
     relative error (a 1 ms step counts as much as a 1 s one); a constant the
     data drive negative is clamped to 0 and the rest refitted."""
-    import numpy as np
 
     y = np.array([s.seconds for s in samples])
     x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.decode_context_tokens,

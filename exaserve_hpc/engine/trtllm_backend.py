@@ -122,7 +122,7 @@ from typing import Any, Iterable
 from exaserve_hpc.cache.hf_format import generation_eos_ids, is_hf_config
 from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError, EngineRequest, StepOutput
 from exaserve_hpc.engine.block_manager import ROOT_HASH, hash_block_tokens, prompt_block_hashes
-from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from exaserve_hpc.engine.registry import TRTLLM_INSTALL as INSTALL_HINT
 
 log = logging.getLogger("exaserve.trtllm")
@@ -393,7 +393,6 @@ class TrtLlmEngine:
         self._events_stop = threading.Event()
         self._events_thread: threading.Thread | None = None
         if kv_events_endpoint is not None and self.args["kv_cache_config"].get("event_buffer_max_size"):
-            from exaserve_hpc.engine.kv_events import KVEventPublisher
             self._publisher = KVEventPublisher(kv_events_endpoint, replica_id=replica_id, with_tokens=kv_events_tokens)
             self._translator = KvEventTranslator(block_size)
             self._events_thread = threading.Thread(target=self._poll_kv_events, daemon=True, name="trtllm-kv-events")

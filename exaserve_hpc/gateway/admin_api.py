@@ -56,6 +56,7 @@ from fastapi import APIRouter, Header, HTTPException
 from pydantic import BaseModel, Field
 
 from exaserve_hpc.router.canary import Rollout, RolloutError, RolloutTable, check_version
+from exaserve_hpc.scheduler.rollout_control import version_dir
 
 ROUTE = "/v1/exaserve/rollouts"
 ADMIN_KEY_FILE = "admin.key"
@@ -247,7 +248,6 @@ def serving_admin_routes(site, router, controller, host: Optional[str] = None,
     """The rollout routes of a running deployment: the router's table, the controller's fleet, the admin key
     (`admin_key_for`; None: the site's router.admin_key). A version's checkpoint defaults to the one next to
     the model's (`rollout_control.version_dir`). `host` is accepted for older callers and not used."""
-    from exaserve_hpc.scheduler.rollout_control import version_dir
 
     def resolve_dir(model: str, version: str) -> Optional[str]:
         path = version_dir(site, model, version)

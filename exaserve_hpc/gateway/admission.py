@@ -23,9 +23,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exaserve_hpc import metrics
-from exaserve_hpc.quota.shares import WHOLE, split_limit
 from exaserve_hpc.gateway import openai_api as api
 from exaserve_hpc.gateway.backend import BackendError
+from exaserve_hpc.quota.ledger import UsageRecord
+from exaserve_hpc.quota.shares import WHOLE, split_limit
 
 _OVERLOAD_RETRY_AFTER = 1.0  # seconds; a slot frees as soon as any in-flight request ends
 
@@ -313,7 +314,6 @@ class Ticket:
         completion = tokens - self._prompt_tokens
         if admission.ledger is None or completion <= 0:
             return
-        from exaserve_hpc.quota.ledger import UsageRecord
         seconds = max(0.0, admission.clock() - self._admitted)
         group = self._group or "none"
         admission.ledger.record(UsageRecord(

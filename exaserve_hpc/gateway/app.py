@@ -28,20 +28,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from exaserve_hpc import metrics
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.hf_tokenizer import ModelTokenizer, TokenizerError
+from exaserve_hpc.gateway import openai_api as api
+from exaserve_hpc.gateway.admission import (
+    Admission, ApiError, BodyLimit, error_response, from_backend_error, internal_error
+)
+from exaserve_hpc.gateway.backend import BackendError, GatewayBackend, ModelInfo
+from exaserve_hpc.gateway.generation import (
+    CHAT, COMPLETIONS, Generation, StopGate, collect_unless_disconnected, json_answer, sse_events
+)
+from exaserve_hpc.gateway.model_tokenizers import ModelTokenizers
 from exaserve_hpc.observability import logs
 from exaserve_hpc.observability.collector import render_metrics
 from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.quota.keys import KeyRing, plaintext_warnings
-from exaserve_hpc.gateway import openai_api as api
+from exaserve_hpc.quota.shares import GroupShare, SharePolicy
 from exaserve_hpc.router.policies import policy_class
-from exaserve_hpc.gateway.admission import (
-    Admission, ApiError, BodyLimit, from_backend_error, internal_error, error_response,
-)
-from exaserve_hpc.gateway.backend import BackendError, GatewayBackend, ModelInfo
-from exaserve_hpc.gateway.model_tokenizers import ModelTokenizers
-from exaserve_hpc.gateway.generation import (
-    CHAT, COMPLETIONS, Generation, StopGate, collect_unless_disconnected, json_answer, sse_events,
-)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ def share_policy(site: SiteConfig) -> dict:
     capacity = {m.model_name: max(1, site.initial_replicas(m)) * site.max_batch_size(m) for m in site.models}
     if not any(g.guaranteed_share is not None for g in site.quota_groups):
         return dict(capacity=capacity)
-    from exaserve_hpc.quota.shares import GroupShare, SharePolicy
     shares = {g.name: GroupShare(g.guaranteed_share or 0.0, g.burst_share) for g in site.quota_groups}
     return dict(shares=SharePolicy(shares, site.gateway.fair_share_half_life), capacity=capacity)
 

@@ -16,10 +16,10 @@ import anyio
 from fastapi import Request
 
 from exaserve_hpc import metrics
-from exaserve_hpc.protocol import GenerateRequest, TokenChunk
 from exaserve_hpc.gateway import openai_api as api
 from exaserve_hpc.gateway.admission import Ticket, internal_error
 from exaserve_hpc.gateway.backend import BackendError, GatewayBackend
+from exaserve_hpc.protocol import GenerateRequest, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class ServerStopping(BackendError):
 
 class StopGate:
     """The gateway's open generations, so a stop can end them cleanly rather than cut them
-    (control_plane_routing.gateway_server): ``stopping`` from the stop signal on (new requests get 503,
+    (gateway/server.py gateway_server): ``stopping`` from the stop signal on (new requests get 503,
     /health says so), then ``interrupt_all`` when the grace is over."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Limits at the gateway's HTTP door (issue 25 item 3): what one local user can hold of a gateway process.
 
     guard = ConnectionGuard(HttpLimits.from_site(site))
-    uvicorn.Config(app, http=guard.protocol_class(), ...)    # control_plane_routing.gateway_server does this
+    uvicorn.Config(app, http=guard.protocol_class(), ...)    # gateway/server.py gateway_server does this
 
 uvicorn (0.3x-0.5x) closes a connection only after a response: one that never sends a full request is held
 forever, and every accepted connection is a file descriptor until the process's table is full (then
@@ -38,6 +38,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # httptools is optional (uvicorn[standard]); uvicorn's http="auto" uses it when it imports
+    import httptools  # noqa: F401
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:
+    HttpToolsProtocol = None
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +114,7 @@ REFUSAL = _refusal()
 
 def _base_protocol():
     """The class uvicorn's http="auto" picks: httptools' when installed, else h11's."""
-    try:
-        import httptools  # noqa: F401
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-        return HttpToolsProtocol
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-        return H11Protocol
+    return HttpToolsProtocol or H11Protocol
 
 
 class ConnectionGuard:

@@ -17,10 +17,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from exaserve_hpc.protocol import (
-    Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, TokenChunks, decode, encode, pack_request,
-)
 from exaserve_hpc.gateway.backend import BackendError, ModelInfo
+from exaserve_hpc.protocol import (
+    Abort, DecodeError, GenerateRequest, RequestError, TokenChunk, TokenChunks, decode, encode, pack_request
+)
+from exaserve_hpc.transport import secure_client
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,6 @@ class RouterClient:
         # As deep as the router's send side (zmq_router.GATEWAY_HWM): bursts wait in libzmq, not in its backlog.
         self._socket.setsockopt(zmq.RCVHWM, 10_000)
         if self.curve is not None:
-            from exaserve_hpc.transport import secure_client
             secure_client(self._socket, self.curve)
         self._socket.connect(self.endpoint)
         loop = asyncio.get_running_loop()

@@ -23,7 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from exaserve_hpc.config.hostlist import compress_hostlist, expand_hostlist
 from exaserve_hpc.jobenv.base import RESUME_VARIABLE, JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.slurm.companion_jobs import CompanionJobs
+from exaserve_hpc.slurm.sbatch import options_from_site
+from exaserve_hpc.slurm.states import NodeState
 
 log = logging.getLogger("exaserve.jobenv")
 
@@ -65,7 +70,6 @@ def _number(value: Any) -> Optional[int]:
 
 def script_exclusions(script: str) -> list[str]:
     """Nodes a batch script's own `#SBATCH --exclude=` / `-x` directives exclude."""
-    from exaserve_hpc.config.hostlist import expand_hostlist
     nodes: list[str] = []
     for line in script.splitlines():
         words = line.split()
@@ -98,7 +102,6 @@ class SlurmJobEnvironment(JobEnvironment):
         slurm.companion_jobs.CompanionJobs for request_nodes (None: asking for nodes is refused)."""
         super().__init__(env)
         if client is None:
-            from exaserve_hpc.slurm.client import CliSlurmClient
             client = CliSlurmClient()
         self.client = client
         self.companions = companions
@@ -125,7 +128,6 @@ class SlurmJobEnvironment(JobEnvironment):
         return self.env.get("SLURM_JOB_ID", "").isdigit()
 
     def end_time(self) -> Optional[float]:
-        from exaserve_hpc.slurm.client import SlurmError
         try:
             return end_time_from_scontrol(self.client.job_record(self.job_number))
         except (SlurmError, IndexError, KeyError) as exc:
@@ -137,8 +139,6 @@ class SlurmJobEnvironment(JobEnvironment):
             raise JobEnvError(f"cannot read job {self.job_number}'s end time: {exc}") from exc
 
     def requeue(self, exclude: Sequence[str], job_dir: Path) -> RequeueOutcome:
-        from exaserve_hpc.slurm.client import SlurmError
-        from exaserve_hpc.config.hostlist import compress_hostlist
         job = self.job_number
         try:
             if not exclude:
@@ -160,8 +160,6 @@ class SlurmJobEnvironment(JobEnvironment):
 
     def enable_node_requests(self, site: Any, site_file: Path, job_dir: Path) -> None:
         """Companion jobs rendered from the main job's own site options (every directive, modules)."""
-        from exaserve_hpc.slurm.companion_jobs import CompanionJobs
-        from exaserve_hpc.slurm.sbatch import options_from_site
         self.companions = CompanionJobs(self.client, str(self.job_number), Path(job_dir),
                                         options_from_site(site, Path(site_file), job_root=Path(job_dir).parent),
                                         self.seconds_left)
@@ -189,7 +187,6 @@ class SlurmJobEnvironment(JobEnvironment):
     def end_job(self, why: str) -> None:
         """scancel this job: a successor waiting on it (afterany) starts, its nodes go back. This rank's own
         step is signalled too (TERM, then KILL after KillWait), so call it last."""
-        from exaserve_hpc.slurm.client import SlurmError
         log.warning("cancelling job %s: %s", self.job_number, why)
         try:
             self.client.cancel(self.job_number)
@@ -197,8 +194,6 @@ class SlurmJobEnvironment(JobEnvironment):
             raise JobEnvError(f"cannot cancel job {self.job_number}: {exc}") from exc
 
     def batch_host_lost(self) -> bool:
-        from exaserve_hpc.slurm.client import SlurmError
-        from exaserve_hpc.slurm.states import NodeState
         try:
             host = self.client.job_record(self.job_number).get("BatchHost", "")
             return bool(host) and self.client.nodes([host])[0].state is NodeState.DOWN

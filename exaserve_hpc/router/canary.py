@@ -23,6 +23,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from exaserve_hpc.cache.checkpoint import CheckpointError, verify_checkpoint
 from exaserve_hpc.protocol import GenerateRequest
 
 STICKY_PROMPT_TOKENS = 64  # the start of a prompt that names a conversation when it has no session id
@@ -49,7 +50,6 @@ class Rollout:
 
 def check_version(model_dir: str) -> None:
     """Refuse a version whose checkpoint fails its checksum manifest (reads the whole checkpoint)."""
-    from exaserve_hpc.cache.checkpoint import CheckpointError, verify_checkpoint
     try:
         verify_checkpoint(model_dir)
     except CheckpointError as exc:

@@ -36,6 +36,7 @@ import sys
 from array import array
 from typing import Container, Optional, Sequence
 
+from exaserve_hpc.engine.block_manager import block_hash_salt
 from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,6 @@ class EngineBlockHasher:
     under another run's salt are never taken for ours."""
 
     def __init__(self, block_size: int, max_blocks: int = 1024, salt: Optional[bytes] = None):
-        from exaserve_hpc.engine.block_manager import block_hash_salt
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.salt = block_hash_salt() if salt is None else bytes(salt)

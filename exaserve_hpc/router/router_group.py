@@ -31,6 +31,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional, TypeVar
 
+from exaserve_hpc.router.router_link import RemoteRouter
 from exaserve_hpc.router.zmq_router import ZmqRouter
 
 T = TypeVar("T")
@@ -147,7 +148,6 @@ class RouterGroup:
                 member.call(lambda d: d.set_routers(backends))
 
     def _wire(self, member) -> None:
-        from exaserve_hpc.router.router_link import RemoteRouter
         if isinstance(member, RemoteRouter):  # a router of another rank follows router 0's canary rollouts
             member.rollouts = lambda: self.members[0].snapshot().get("rollouts")
 

@@ -31,6 +31,10 @@ from typing import Callable, Literal, Optional
 import msgspec
 import zmq
 
+from exaserve_hpc.router.canary import Rollout
+from exaserve_hpc.router.zmq_router import bind
+from exaserve_hpc.transport import secure_client, secure_server
+
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL = 1.0  # seconds between snapshot requests
@@ -67,14 +71,12 @@ class RouterControl:
     """Router rank's side: applies rank 0's commands to the local router and answers report requests."""
 
     def __init__(self, router, host: str, port: int = 0, curve=None, context: Optional[zmq.Context] = None):
-        from exaserve_hpc.router.zmq_router import bind
         self.router = router
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self._zap = None
         if curve is not None:
-            from exaserve_hpc.transport import secure_server
             self._zap = secure_server(self.socket, curve, self.context, "router control")
         self.endpoint = bind(self.socket, host, port)
         self._stop = threading.Event()
@@ -121,7 +123,6 @@ class RouterControl:
 
 def follow_rollouts(table, rollouts: list[dict]) -> None:
     """Make a RolloutTable hold exactly `rollouts` (router 0's, as Rollout.as_dict gives them)."""
-    from exaserve_hpc.router.canary import Rollout
     wanted = {r["model"]: Rollout(**r) for r in rollouts}
     if wanted != table.rollouts:
         table.rollouts = wanted
@@ -187,7 +188,6 @@ class RemoteRouter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         if self._curve is not None:
-            from exaserve_hpc.transport import secure_client
             secure_client(sock, self._curve)
         sock.connect(self.info["control"])
         next_report = 0.0

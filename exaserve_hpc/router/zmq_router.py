@@ -48,8 +48,8 @@ import logging
 import socket as pysocket
 import threading
 import time
-from concurrent.futures import Future
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Optional, TypeVar, Union
 
 import msgspec
@@ -59,6 +59,7 @@ from exaserve_hpc.engine.kv_events import AllBlocksCleared, decode_batch
 from exaserve_hpc.peer_guard import PeerGuard
 from exaserve_hpc.protocol import Abort, DecodeError, Message, ReplicaHello, RequestError, TokenChunk, TokenChunks
 from exaserve_hpc.router.dispatch import GATEWAY, Dispatcher, Outgoing, RoutedRequest
+from exaserve_hpc.transport import secure_server
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -135,7 +136,6 @@ class ZmqRouter:
         self._zap = []  # leases on the context's ZAP authenticator, stopped after the sockets close
         self._curve = curve  # its client pair subscribes to the replicas' CURVE KV-event publishers
         if curve is not None:
-            from exaserve_hpc.transport import secure_server
             self._zap = [secure_server(self.frontend, curve, self.context, "router frontend"),
                          secure_server(self.backend, curve, self.context, "router backend")]
         self.frontend_endpoint = bind(self.frontend, host, frontend_port)

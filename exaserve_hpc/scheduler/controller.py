@@ -44,26 +44,28 @@ import zmq
 
 from exaserve_hpc import metrics
 from exaserve_hpc.agent.lifecycle import STOPPED_UNASKED, ReplicaState
-
 from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.peer_guard import PeerGuard
 from exaserve_hpc.protocol import (
-    AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica,
+    AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica
 )
 from exaserve_hpc.router.port import RouterPort
 from exaserve_hpc.router.zmq_router import bind
-from exaserve_hpc.scheduler.autoscale import HOLD, UP, Autoscaler, AutoscalePolicy, ScaleDecision
+from exaserve_hpc.scheduler.autoscale import HOLD, UP, AutoscalePolicy, Autoscaler, ScaleDecision
 from exaserve_hpc.scheduler.capacity import placeable_replicas
+from exaserve_hpc.scheduler.controller_loop import ControllerLoop
 from exaserve_hpc.scheduler.controller_status import controller_status
 from exaserve_hpc.scheduler.demand import DemandHistory
 from exaserve_hpc.scheduler.fleet import Fleet, FleetSnapshot
-from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord, model_loads, pick_for_removal  # noqa: F401 (re-exported)
+from exaserve_hpc.scheduler.fleet_state import (  # noqa: F401 (re-exported)
+    AgentRecord, ReplicaRecord, model_loads, pick_for_removal
+)
 from exaserve_hpc.scheduler.liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 from exaserve_hpc.scheduler.oom_control import OomControl
-from exaserve_hpc.scheduler.controller_loop import ControllerLoop
-from exaserve_hpc.peer_guard import PeerGuard
 from exaserve_hpc.scheduler.placement_control import PlacementControl, is_reservation_refusal
 from exaserve_hpc.scheduler.rollout_control import RolloutFleet
 from exaserve_hpc.scheduler.weight_control import WeightControl
+from exaserve_hpc.transport import secure_server
 
 log = logging.getLogger("exaserve.controller")
 
@@ -95,7 +97,6 @@ class Controller(ControllerLoop):
             # a peer sending more in one message is disconnected by ZeroMQ before anything is read
             self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if curve is not None:
-                from exaserve_hpc.transport import secure_server
                 self._auth = secure_server(self.socket, curve, self.context)
             self.endpoint = bind(self.socket, host, port)
         self.expected_agents = set(expected_agents or ())

@@ -12,6 +12,8 @@ threads (agent/replica_process.py usable_cores, replica_threads) and reports the
 
 from __future__ import annotations
 
+from exaserve_hpc.engine.registry import engine_spec
+
 
 def cpu_replica_slots(cores: int, threads_per_replica: int) -> int:
     """Replicas of a CPU engine a node with `cores` usable cores runs at once: threads x replicas <= cores,
@@ -28,7 +30,6 @@ def node_replica_cap(cap: int, cpu_slots: int) -> int:
 
 def site_bounds_cpu(site) -> bool:
     """Whether the site's CPU nodes are bounded by cores: nodes without GPUs, and a CPU-compute engine."""
-    from exaserve_hpc.engine.registry import engine_spec
     if site.cluster.gpus_per_node:
         return False
     return any(engine_spec(m.engine).cpu_compute for m in site.models)

@@ -20,6 +20,7 @@ from exaserve_hpc.agent.load_failover import NodeView
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
 from exaserve_hpc.scheduler.autoscale import ModelLoad
+from exaserve_hpc.scheduler.live_placement import hello_inventory
 from exaserve_hpc.scheduler.plan import Assignment, replica_index
 
 
@@ -46,7 +47,6 @@ class AgentRecord:
 
     @classmethod
     def from_hello(cls, agent_id: str, hello: AgentHello, now: float) -> "AgentRecord":
-        from exaserve_hpc.scheduler.live_placement import hello_inventory
         return cls(agent_id, hello.hostname, hello.pid, now, len(hello.gpus), hello.host_memory_total,
                    memory=hello.memory, l2=hello.l2, gpu_telemetry=list(hello.gpus),
                    telemetry_at=now if hello.gpus else 0.0, inventory=hello_inventory(agent_id, hello))

@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING
 from exaserve_hpc import metrics
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.load_failover import NodeView, after_load_failure
+from exaserve_hpc.cache.l3_store import manifest_bytes
+from exaserve_hpc.cache.manifest import CheckpointError
 from exaserve_hpc.cache.prefetch import prefetch_plan
 from exaserve_hpc.config.schema import SiteConfig
+from exaserve_hpc.engine.registry import engine_spec
 from exaserve_hpc.protocol import LoadFailed, Prefetch
 
 if TYPE_CHECKING:
@@ -34,9 +37,6 @@ log = logging.getLogger("exaserve.controller")  # these lines were the controlle
 
 def model_bytes(site: SiteConfig) -> dict[str, int]:
     """Checkpoint size per model with weights in the shared store (engines without weights have none)."""
-    from exaserve_hpc.cache.l3_store import manifest_bytes
-    from exaserve_hpc.cache.manifest import CheckpointError
-    from exaserve_hpc.engine.registry import engine_spec
     sizes = {}
     for model in site.models:
         if not engine_spec(model.engine).needs_weights:

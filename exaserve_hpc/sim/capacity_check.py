@@ -5,19 +5,14 @@ fixed, and says whether the answer holds the workload's SLO.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
-from rich.console import Console
-from rich.table import Table
 
 from exaserve_hpc.config.schema import SiteConfig, parse_site
 from exaserve_hpc.scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.sim.workload import Workload, arrivals, workload_from_args
+from exaserve_hpc.sim.workload import Workload, arrivals
 
 WINDOW = 60.0  # seconds over which the peak rate is taken
 
@@ -59,53 +54,3 @@ def plan(site: SiteConfig, workload: Workload, headroom: float = HEADROOM) -> tu
     return mixes, replicas_for_mix(specs, mixes, share, headroom=headroom)
 
 
-def cmd_capacity(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
-    workload = workload_from_args(args, console)
-    if workload is None:
-        return 2
-    mixes, estimates = plan(site, workload, args.headroom)
-    answer = {e.model: e.replicas for e in estimates}
-    table = Table(title=f"capacity for {workload.name} on {site.site} ({args.headroom:.0%} headroom)")
-    for col in ("model", "peak req/s", "in tokens", "out tokens", "req/s per replica", "replicas", "site has"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    have = {m.model_name: site.initial_replicas(m) for m in site.models}
-    for mix, est in zip(mixes, estimates):
-        table.add_row(mix.model, f"{mix.qps:.1f}", f"{mix.input_tokens:.0f}", f"{mix.output_tokens:.0f}",
-                      f"{est.requests_per_s_per_replica:.2f}", str(est.replicas), str(have.get(mix.model, 0)))
-    console.print(table)
-    result = {"site": site.site, "workload": workload.name, "headroom": args.headroom,
-              "models": [{"model": m.model, "peak_qps": m.qps, "input_tokens": m.input_tokens,
-                          "output_tokens": m.output_tokens, "replicas": e.replicas,
-                          "requests_per_s_per_replica": e.requests_per_s_per_replica, "reason": e.reason}
-                         for m, e in zip(mixes, estimates)]}
-    code = 0
-    if args.check:
-        from exaserve_hpc.sim.run import simulate
-        try:
-            sized = sized_site(site, answer)
-        except Exception as exc:  # the answer does not fit the machine
-            console.print(f"[red]the answer does not fit {site.site}[/]: {exc}", highlight=False)
-            return 1
-        _, summary, wall = simulate(sized, workload, args.duration, static=True, label="capacity check")
-        held = summary["slo_held"]
-        slo = summary["slo"]
-        console.print(f"simulated with those replicas fixed ({wall:.0f} s wall): TTFT p99 {summary['ttft_p99_s']:.3f} s "
-                      f"(SLO {slo['ttft_p99_s']:g} s), e2e p99 {summary['e2e_p99_s']:.2f} s (SLO {slo['e2e_p99_s']:g} s), "
-                      f"{summary['lost']} lost, GPU utilisation {summary['gpu_util_allocated']:.1%}: the answer "
-                      f"{'holds' if held else 'does NOT hold'} the SLO", highlight=False)
-        result["check"] = {k: summary[k] for k in ("ttft_p99_s", "e2e_p99_s", "lost", "gpu_util_allocated",
-                                                   "slo", "slo_held", "wall_s", "simulated_s")}
-        code = 0 if held else 1
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return code
-
-
-def add_capacity_arguments(parser: argparse.ArgumentParser, site_help: str) -> None:
-    parser.add_argument("--site", help=site_help)
-    parser.add_argument("--workload", required=True, help="workload YAML file or shipped name (its peak rate and mix)")
-    parser.add_argument("--rate", type=float, help="multiply every stream's request rate by this")
-    parser.add_argument("--headroom", type=float, default=HEADROOM, help=f"spare capacity over the peak, a fraction (default {HEADROOM:g})")
-    parser.add_argument("--check", action="store_true", help="simulate the answer and say whether it holds the SLO")
-    parser.add_argument("--duration", type=float, help="--check: simulated seconds (default: the workload's)")
-    parser.add_argument("--json", help="also write the answer (and the check) here")

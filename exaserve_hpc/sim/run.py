@@ -7,7 +7,6 @@ workload's latency SLO.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,10 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.sim.report import write_report
-from exaserve_hpc.sim.routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S
+from exaserve_hpc.sim.routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S
 from exaserve_hpc.sim.simulation import Simulation
-from exaserve_hpc.sim.workload import Workload, workload_from_args
+from exaserve_hpc.sim.workload import Workload
 
 
 def simulate(site: SiteConfig, workload: Workload, duration: Optional[float] = None, static: bool = False,
@@ -97,86 +95,3 @@ def routers_line(r: dict) -> str:
             f"(at most {r['capacity_per_s'] or float('inf'):,.0f} requests/s together), gateways {r['pick']}; {per}")
 
 
-def cmd_simulate(args: argparse.Namespace, site: SiteConfig, console: Console) -> int:
-    workload = workload_from_args(args, console)
-    if workload is None:
-        return 2
-    costs = (args.router_cost_us, args.router_chunk_cost_us, args.router_stats_cost_us)
-    if (args.routers is not None and not 1 <= args.routers <= 64) or not all(c >= 0 for c in costs):
-        console.print(f"[red]error[/]: --routers must be 1..64 (as router.count) and --router-cost-us, "
-                      f"--router-chunk-cost-us, --router-stats-cost-us >= 0; got {args.routers} and "
-                      f"{', '.join(f'{c:g}' for c in costs)}", highlight=False)
-        return 2
-    if args.out:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:  # before a long run, not after it
-            console.print("[red]error[/]: --out writes a report with plots, which needs matplotlib; install the "
-                          "simulator's extra: pip install 'exaserve-hpc[sim]'", highlight=False)
-            return 2
-    runs = ["static"] if args.static else ["static", "dynamic"] if args.compare else ["dynamic"]
-    sites = {name: site for name in runs}
-    if args.size_by_capacity:
-        # Each model at what `exaserve capacity` answers for its own peak (30% headroom): the static
-        # allocation a centre would book for this workload; the dynamic run starts there and scales.
-        from exaserve_hpc.sim.capacity_check import plan, sized_site
-        answer = {e.model: e.replicas for e in plan(site, workload)[1]}
-        console.print("sized by capacity: " + ", ".join(f"{m} {n}" for m, n in sorted(answer.items())),
-                      highlight=False)
-        sites = {name: sized_site(site, answer, floor=name == "static") for name in runs}
-    results = {}
-    for name in runs:
-        sim, summary, wall = simulate(sites[name], workload, args.duration, static=name == "static", seed=args.seed,
-                                      label=name, run_dir=Path(args.out) / "run" if args.out else None,
-                                      routers=args.routers or 0, router_cost=args.router_cost_us * 1e-6,
-                                      router_pick=args.router_pick,
-                                      router_chunk_cost=args.router_chunk_cost_us * 1e-6,
-                                      router_stats_cost=args.router_stats_cost_us * 1e-6)
-        results[name] = (sim, summary, wall)
-        console.print(f"{name}: {summary['simulated_s']:.0f} s simulated in {wall:.1f} s wall "
-                      f"(ratio {summary['sim_wall_ratio']:.2f}); {summary['accepted']} accepted, "
-                      f"{summary['completed']} completed, {summary['lost']} lost; TTFT p50/p99 "
-                      f"{summary['ttft_p50_s']:.3f}/{summary['ttft_p99_s']:.3f} s, e2e p50/p99 "
-                      f"{summary['e2e_p50_s']:.2f}/{summary['e2e_p99_s']:.2f} s; GPU utilisation "
-                      f"{summary['gpu_util_allocated']:.1%} (batch-weighted {summary['gpu_batch_occupancy']:.1%}); "
-                      f"SLO {'held' if summary['slo_held'] else 'NOT held'}",
-                      highlight=False)
-        console.print(routers_line(summary["routers"]), highlight=False)
-    comparison = comparison_text(results["static"][1], results["dynamic"][1]) if len(runs) == 2 else None
-    if comparison:
-        console.print(comparison["text"], highlight=False)
-    if args.out:
-        main = results[runs[-1]]
-        static = results["static"] if len(runs) == 2 else None
-        files = write_report(Path(args.out), main[1], main[0].rec.samples, main[0].rec.events, main[0].t0, main[2],
-                             comparison, (static[1], static[0].rec.samples) if static else None)
-        console.print(f"report: {files[0]} ({len(files)} files)", highlight=False)
-    return 0 if all(r[1]["lost"] == 0 for r in results.values()) else 1
-
-
-def add_simulate_arguments(parser: argparse.ArgumentParser, site_help: str) -> None:
-    parser.add_argument("--site", help=site_help)
-    parser.add_argument("--workload", required=True,
-                        help="workload YAML file, or a shipped one by name (exaserve_hpc/sim/workloads/)")
-    parser.add_argument("--duration", type=float, help="simulated seconds of arrivals (default: the workload's)")
-    parser.add_argument("--rate", type=float, help="multiply every stream's request rate by this")
-    parser.add_argument("--out", help="write report.md, report.json and plots into this directory")
-    parser.add_argument("--static", action="store_true", help="replicas fixed at the site's plan (no autoscaling)")
-    parser.add_argument("--compare", action="store_true", help="run static, then dynamic, and compare utilisation")
-    parser.add_argument("--size-by-capacity", action="store_true",
-                        help="start each model at `exaserve capacity`'s answer for the workload (static: held there)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routers", type=int, help="routers sharing the fleet (default: the site's router.count)")
-    parser.add_argument("--router-cost-us", type=float, default=ROUTER_COST_S * 1e6,
-                        help="router CPU per request in microseconds (one thread per router; default "
-                             f"{ROUTER_COST_S * 1e6:g}, measured by benchmarks/bench_router_throughput.py; 0: free)")
-    parser.add_argument("--router-chunk-cost-us", type=float, default=CHUNK_COST_S * 1e6,
-                        help="router CPU per token chunk beyond a request's first, in microseconds, charged for the "
-                             "chunks a replica streams under router.coalesce_ms / coalesce_tokens (default "
-                             f"{CHUNK_COST_S * 1e6:g}: benchmarks/bench_router_throughput.py --compare-chunks 1 8)")
-    parser.add_argument("--router-stats-cost-us", type=float, default=STATS_COST_S * 1e6,
-                        help="router CPU per ReplicaStats message, every replica's reaching every router each "
-                             f"router.replica_heartbeat (default {STATS_COST_S * 1e6:g}: "
-                             "benchmarks/bench_router_throughput.py --compare-stats 8)")
-    parser.add_argument("--router-pick", choices=PICKS, default="round_robin",
-                        help="how requests spread over the routers' gateways: round_robin (a load balancer) or "
-                             "sticky (a prefix's requests keep to one gateway)")

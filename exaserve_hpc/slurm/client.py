@@ -1,6 +1,6 @@
 """The one seam to Slurm: submit, query, update, requeue and cancel jobs; read node states.
 
-    client = slurm_client()          # pyslurm when it imports and matches the running Slurm, else the CLI
+    client = slurm_client()          # backend.py: pyslurm when it imports and matches the running Slurm, else the CLI
     job_id = client.submit(Path("job.sbatch"), ["--nodes=4"])
     client.job(job_id).state         # JobState.RUNNING
     client.nodes()                   # [NodeInfo(name="n1", state=NodeState.IDLE, ...)]
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,32 +201,3 @@ def _major_minor(version: str) -> tuple[int, int]:
 def pyslurm_matches(pyslurm_version: str, slurm_version: str) -> bool:
     """pyslurm X.Y.* is built against Slurm X.Y and only talks to it."""
     return _major_minor(pyslurm_version) == _major_minor(slurm_version) != (0, 0)
-
-
-def slurm_client(prefer: Optional[str] = None, runner: Runner = run_command) -> SlurmClient:
-    """The CLI client, or the pyslurm one when pyslurm imports and matches the running Slurm.
-
-    prefer / $EXASERVE_SLURM_BACKEND: "cli" forces the CLI; "pyslurm" requires pyslurm (SlurmError if it
-    cannot be used, naming why).
-    """
-    prefer = prefer or os.environ.get("EXASERVE_SLURM_BACKEND", "auto")
-    if prefer not in {"auto", "cli", "pyslurm"}:
-        raise ValueError(f"Slurm backend {prefer!r}; allowed: auto, cli, pyslurm")
-    cli = CliSlurmClient(runner)
-    if prefer == "cli":
-        return cli
-    try:
-        from exaserve_hpc.slurm.pyslurm_backend import PyslurmClient, pyslurm_version
-        pv = pyslurm_version()
-    except ImportError as exc:
-        why = f"pyslurm does not import ({exc})"
-    else:
-        sv = cli.version() if shutil.which("sinfo") or runner is not run_command else ""
-        if pyslurm_matches(pv, sv):
-            return PyslurmClient(fallback=cli)
-        why = f"pyslurm {pv} does not match Slurm {sv or '(unknown)'}"
-    if prefer == "pyslurm":
-        raise SlurmError(f"the pyslurm backend was asked for but {why}; use the CLI backend "
-                         f"(EXASERVE_SLURM_BACKEND=cli) or install the pyslurm release matching Slurm")
-    log.debug("Slurm backend: cli (%s)", why)
-    return cli

@@ -2,12 +2,12 @@
 grant out), how NVML devices are matched to granted ids, what one replica is given, and what the agent
 reports; and the NVML seam against a stand-in pynvml that records what the real library would be asked."""
 
-import sys
 
 import pytest
 
+from exaserve_hpc.agent import nvml_probe
 from exaserve_hpc.agent.gpu_binding import (
-    GpuGrant, GpuGrantError, GrantedGpu, detect_grant, match_nvml, parse_ids, replica_binding,
+    GpuGrant, GpuGrantError, GrantedGpu, detect_grant, match_nvml, parse_ids, replica_binding
 )
 from exaserve_hpc.agent.nvml_probe import NvmlDevice
 
@@ -172,9 +172,8 @@ class StandInNvml:
 
 
 def test_read_devices_asks_nvml_for_identity_memory_and_nearby_cpus(monkeypatch):
-    from exaserve_hpc.agent import nvml_probe
     stand_in = StandInNvml()
-    monkeypatch.setitem(sys.modules, "pynvml", stand_in)
+    monkeypatch.setattr(nvml_probe, "pynvml", stand_in)  # the module the probe imported at its top
     monkeypatch.setattr(nvml_probe.os, "cpu_count", lambda: 72)
     devices, why = nvml_probe.read_devices()
     assert why == ""
@@ -185,6 +184,5 @@ def test_read_devices_asks_nvml_for_identity_memory_and_nearby_cpus(monkeypatch)
 
 
 def test_read_devices_without_nvml_is_an_empty_list_and_a_reason(monkeypatch):
-    from exaserve_hpc.agent import nvml_probe
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as if nvidia-ml-py were missing
+    monkeypatch.setattr(nvml_probe, "pynvml", None)  # what the probe holds when nvidia-ml-py does not import
     assert nvml_probe.read_devices() == ([], "nvidia-ml-py is not installed")

@@ -48,8 +48,7 @@ def test_the_real_sacctmgr_without_accounting_is_a_clear_refusal_naming_the_acco
 
 
 def test_rank_0_refuses_a_group_whose_account_is_not_the_users_and_only_warns_without_accounting(caplog):
-    from exaserve_hpc.app.rank import check_quota_accounts
-    from exaserve_hpc.quota.accounts import AccountingUnavailable
+    from exaserve_hpc.quota.accounts import AccountingUnavailable, check_quota_accounts
 
     def known(args):
         return "clim001|\nbio002|\n" if args[1] == "account" else "clim001|alice\n"

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.slurm.client import (
-    CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches, slurm_client,
-)
+from exaserve_hpc.slurm.backend import slurm_client
+from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches
 from exaserve_hpc.slurm.states import JobState, NodeState
 
 SAMPLES = Path(__file__).parent / "samples"

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import time
 
+import pytest
+
+from exaserve_hpc.app.requeue_watch import REQUEST_FILE, STOP_FILE, RequeueWatch, snapshot_from_status
+from exaserve_hpc.app.state_keeper import StateKeeper
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, ControllerState, RolloutState, load_state
 from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome
-from exaserve_hpc.app.requeue_watch import REQUEST_FILE, STOP_FILE, RequeueWatch, snapshot_from_status
 from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy, RequeueReason, RequeueSnapshot, requeue_decision
-from exaserve_hpc.app.state_keeper import StateKeeper
 
 NODES = ("n1", "n2", "n3", "n4")
 
@@ -231,8 +231,9 @@ def test_a_stop_file_from_this_run_stops_it(tmp_path):
 def test_requeue_triggers_are_site_keys_that_the_launch_flags_override():
     import argparse
 
+    from exaserve_hpc.app.rank import add_launch_arguments
+    from exaserve_hpc.app.requeue_watch import requeue_policy
     from exaserve_hpc.config.schema import parse_site
-    from exaserve_hpc.app.rank import add_launch_arguments, requeue_policy
 
     site = parse_site({"site": "t", "models": [{"model_name": "m"}],
                        "requeue": {"capacity_floor": 0.75, "time_margin": "10m", "checkpoint_interval": "1m"}})
