@@ -18,20 +18,22 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import yaml  # noqa: E402
 
 from exaserve_hpc.config.schema import load_site, parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, StartReplica  # noqa: E402
-from exaserve_hpc.scheduler.controller import Controller  # noqa: E402
+from exaserve_hpc.router.port import RouterPortStub
 from exaserve_hpc.scheduler.autoscale import AutoscalePolicy, ModelLoad, ScalingHistory, autoscale  # noqa: E402
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site  # noqa: E402
+from exaserve_hpc.scheduler.controller_core import ControllerCore  # noqa: E402
 from exaserve_hpc.scheduler.failover import failover, failover_fault_group  # noqa: E402
 from exaserve_hpc.scheduler.placement import plan_site  # noqa: E402
 from exaserve_hpc.topology import topology_from_site  # noqa: E402
-from exaserve_hpc.router.port import RouterPortStub
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
 
 TARGETS_S = {"full plan, 3072 replicas on 256 nodes": 0.5, "replan after one node loss": 0.020,
              "replan after one fault-group loss": 0.100, "autoscaler tick, 50 models": 0.005,
@@ -69,7 +71,7 @@ def controller_run(site, greetings: list[AgentHello], lost: str) -> tuple[float,
     replicas started at first, "<re-placed> of <replicas the lost node held>")."""
     logging.getLogger("exaserve").setLevel(logging.CRITICAL)  # a lost node is an error line per replica
     clock = [0.0]
-    ctl = Controller(site, StubRouter(), clock=lambda: clock[0], bind_socket=False,
+    ctl = ControllerCore(site, StubRouter(), clock=lambda: clock[0],
                      expected_agents=[g.agent_id for g in greetings])
     t = time.perf_counter()
     for hello in greetings:

@@ -59,3 +59,20 @@ class JobDir:
     def stop_file(self) -> Path:
         """Created by the batch script when Slurm's --signal arrives (time limit near)."""
         return self.path / "stop-requested"
+
+
+KV_SALT_FILE = "kv-salt"
+
+
+def run_salt(jobdir: JobDir) -> bytes:
+    """The run's secret block-hash salt (keys/kv-salt, 0600, made with the run's keys); b"" where the run
+    has none (no CURVE keys): block hashes are then unsalted."""
+    try:
+        fd = os.open(jobdir.path / "keys" / KV_SALT_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise BootstrapError(f"the run's block-hash salt in {jobdir.path / 'keys'} cannot be read "
+                             f"({exc.strerror}); the job directory must be shared by every node") from exc
+    with os.fdopen(fd, "rb") as f:
+        return f.read(64)

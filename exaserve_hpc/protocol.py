@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import msgspec
-import zmq
 
 
 class _Msg(msgspec.Struct, tag_field="t", omit_defaults=True):
@@ -473,22 +472,4 @@ def split_scheme(scheme: str) -> tuple[str, str]:
         raise msgspec.ValidationError(f"prefix_scheme {scheme!r} of packed hashes must be a hasher's scheme "
                                       "followed by ':q' (signed hashes) or ':Q' (unsigned)")
     return name, typecode
-
-
-def receive_pending(socket, limit: int, log) -> Iterator[Message]:
-    """Decode the frames already waiting on a DEALER socket, at most `limit` (no waiting).
-
-    A frame that does not decode is logged and skipped: one bad peer must not
-    stop a process that serves others.
-    """
-
-    for _ in range(limit):
-        try:
-            frame = socket.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        try:
-            yield decode(frame)
-        except DecodeError as exc:
-            log.warning("dropping an undecodable message: %s", exc)
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from exaserve_hpc.jobdir import BootstrapError, JobDir
+from exaserve_hpc.jobdir import KV_SALT_FILE, BootstrapError, JobDir
 
 log = logging.getLogger("exaserve.transport")
 
@@ -51,25 +51,6 @@ def make_curve_keys(jobdir: JobDir) -> CurveKeys:
         jobdir.write_private(f"keys/{name}", value)
     jobdir.write_private(f"keys/{KV_SALT_FILE}", os.urandom(32))  # the run's block-hash salt, new with its keys
     return keys
-
-
-KV_SALT_FILE = "kv-salt"
-
-
-def run_salt(jobdir: JobDir) -> bytes:
-    """The run's secret block-hash salt (keys/kv-salt, 0600, made with the run's keys); b"" where the run
-    has none (no CURVE keys): block hashes are then unsalted."""
-    try:
-        fd = os.open(jobdir.path / "keys" / KV_SALT_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return b""
-    except OSError as exc:
-        raise BootstrapError(f"the run's block-hash salt in {jobdir.path / 'keys'} cannot be read "
-                             f"({exc.strerror}); the job directory must be shared by every node") from exc
-    with os.fdopen(fd, "rb") as f:
-        return f.read(64)
-
-
 
 
 def load_client_keys(jobdir: JobDir, server_public: str = "") -> CurveKeys:

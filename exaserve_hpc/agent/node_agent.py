@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import msgspec
 import zmq
@@ -53,8 +53,8 @@ from exaserve_hpc.cache.l2_shm import L2Cache, L2Full, make_l2_root, read_l2_pag
 from exaserve_hpc.engine.registry import ENGINES
 from exaserve_hpc.observability.logs import configure_logging
 from exaserve_hpc.protocol import (
-    AgentHeartbeat, AgentHello, LoadFailed, Prefetch, ReplicaEvent, Shutdown, StartReplica, StopReplica, encode,
-    receive_pending
+    AgentHeartbeat, AgentHello, DecodeError, LoadFailed, Message, Prefetch, ReplicaEvent, Shutdown, StartReplica,
+    StopReplica, decode, encode
 )
 from exaserve_hpc.transport import replica_client_keys, secure_client
 from exaserve_hpc.units import format_size, parse_size
@@ -93,6 +93,25 @@ def default_l2_root(agent_id: str, l2_path: str = "/dev/shm", run: Optional[str]
     run = os.environ.get(L2_RUN_VARIABLE, "") if run is None else run
     name = agent_id.replace("/", "_") + (f"@{re.sub(r'[^A-Za-z0-9._-]', '_', run)[:64]}" if run else "")
     return Path(os.path.expandvars(l2_path)).expanduser() / f"exaserve-l2-{os.getuid()}" / name
+
+
+
+def receive_pending(socket, limit: int, log) -> Iterator[Message]:
+    """Decode the frames already waiting on a DEALER socket, at most `limit` (no waiting).
+
+    A frame that does not decode is logged and skipped: one bad peer must not
+    stop a process that serves others.
+    """
+
+    for _ in range(limit):
+        try:
+            frame = socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            yield decode(frame)
+        except DecodeError as exc:
+            log.warning("dropping an undecodable message: %s", exc)
 
 
 class NodeAgent:

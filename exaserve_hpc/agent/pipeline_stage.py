@@ -34,11 +34,12 @@ import zmq
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.cache.tiers import load_weights
-from exaserve_hpc.engine.kv_events import kv_events_announced, kv_events_bind
+from exaserve_hpc.engine.kv_publisher import kv_events_announced, kv_events_bind
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers
 from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_checkpoint
-from exaserve_hpc.engine.stage_link import LinkError, ZmqStageLink, address_towards, stage_name
+from exaserve_hpc.engine.stage_link import LinkError, address_towards, stage_name
+from exaserve_hpc.engine.stage_transports import ZmqStageLink
 from exaserve_hpc.protocol import PipelineStage, StageHello, StageTable, StartReplica, decode, encode
 from exaserve_hpc.transport import replica_client_keys, secure_client
 

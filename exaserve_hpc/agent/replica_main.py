@@ -44,7 +44,7 @@ from exaserve_hpc.agent.router_links import RouterLinks
 from exaserve_hpc.cache.tiers import load_weights
 from exaserve_hpc.engine.base import EngineError, EngineRequest
 from exaserve_hpc.engine.block_manager import install_block_hash_salt
-from exaserve_hpc.engine.kv_events import kv_events_announced, kv_events_bind, secure_publishers
+from exaserve_hpc.engine.kv_publisher import kv_events_announced, kv_events_bind, secure_publishers
 from exaserve_hpc.engine.kv_snapshot import KVSnapshotError, load_kv_snapshot, write_kv_snapshot
 from exaserve_hpc.engine.registry import build_engine, engine_spec
 from exaserve_hpc.jobdir import JobDir

@@ -40,8 +40,7 @@ from typing import Protocol
 import numpy as np
 
 from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored, KVEvent
-from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.transport import run_salt
+from exaserve_hpc.jobdir import JobDir, run_salt
 
 ROOT_HASH = 0x6578617365727665  # b"exaserve": parent of a sequence's first block
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError, EngineRequest, StepOutput
 from exaserve_hpc.engine.block_manager import BlockManager
-from exaserve_hpc.engine.kv_events import KVEventPublisher
+from exaserve_hpc.engine.kv_publisher import KVEventPublisher
 from exaserve_hpc.engine.latency_stats import LatencyStats
 from exaserve_hpc.engine.sampling import request_rng
 from exaserve_hpc.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence

@@ -122,7 +122,8 @@ from typing import Any, Iterable
 from exaserve_hpc.cache.hf_format import generation_eos_ids, is_hf_config
 from exaserve_hpc.engine.base import DEFAULT_EOS_IDS, EngineError, EngineRequest, StepOutput
 from exaserve_hpc.engine.block_manager import ROOT_HASH, hash_block_tokens, prompt_block_hashes
-from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventPublisher
+from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from exaserve_hpc.engine.kv_publisher import KVEventPublisher
 from exaserve_hpc.engine.registry import TRTLLM_INSTALL as INSTALL_HINT
 
 log = logging.getLogger("exaserve.trtllm")

@@ -1,35 +1,14 @@
-"""The controller (rank 0): node agents in, replica commands out.
+"""The controller (rank 0): its core (controller_core.py) plus the thread that owns the ROUTER socket.
 
-One thread owns a ROUTER socket that every node agent's DEALER connects to
-(its loop, each message under its own guard, and liveness: controller_loop.py).
-It records agent hellos, heartbeats and replica events; asks agents to start
-the replicas the placement gives their node; restarts a failed replica (a
-bounded number of times, with backoff); suspects a node after
-`heartbeat.misses` intervals silent on every channel and declares it lost a grace
-later (liveness.py: any message of its agent or of its replicas at the router
-counts as life, `exaserve serve` checks its agent process directly, and the
-grace widens with the node's observed heartbeat lateness), taking its replicas out of routing
-(adopted again if it comes back still running those not placed elsewhere);
-scales each model's replica count with the autoscaler; and answers
-`status()` for the gateway and `exaserve status`.
+    controller = Controller(site, router, host, port, curve=keys).start()   # agents connect to .endpoint
 
-Decisions about *where* replicas go come from the planner's policies
-(placement_control.py: placement.Placer, failover, rebalance, the invariant
-audit), about *how many* from `Autoscaler.tick` (bounded by what can be
-placed, capacity.placeable_replicas), about *which* to stop from
-`pick_for_removal`: pure functions; the thread only carries them out. A
-scale-down drains the replica in the router first (no new requests), then
-asks its agent to stop it (it finishes what it holds, then exits); the record
-goes once it reports stopped.
-
-The state is a `Fleet` (fleet.py: agents, replicas, ids, the outbox of agent
-messages) with a public interface; the parts that act on it live in their own
-modules: placement (placement_control.py), rollouts (rollout_control.py),
-load failover with L2 prefetch (weight_control.py) and the OOM guard's
-evictions (oom_control.py), all run on the controller thread; and the
-`status()` dict (controller_status.py). `handle(agent_id, message)` and
-`tick(now)` are the whole core: they change the fleet and leave messages in
-its outbox, which the thread's loop sends (benchmarks drive them directly).
+Every node agent's DEALER connects to the socket. Every round the loop reads what agents sent (each message
+decoded, checked and handled under its own guard: a bad one is dropped and counted against its peer,
+exaserve_hpc/peer_guard.py), runs work queued from other threads, ticks every `scheduler.tick_interval`
+(reading the socket again first, so what arrived while the loop was busy counts before any node is judged
+silent) and sends the core's effects. An exception in a tick or a queued command is logged once and the
+loop goes on: nothing a message or a policy does ends the thread. `liveness()` says what keeps the service
+from working (for /health).
 """
 
 from __future__ import annotations
@@ -42,125 +21,52 @@ from typing import Callable, Optional
 
 import zmq
 
-from exaserve_hpc import metrics
-from exaserve_hpc.agent.lifecycle import STOPPED_UNASKED, ReplicaState
+from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.peer_guard import PeerGuard
-from exaserve_hpc.protocol import (
-    AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica
-)
+from exaserve_hpc.protocol import DecodeError, decode, encode
 from exaserve_hpc.router.port import RouterPort
 from exaserve_hpc.router.zmq_router import bind
-from exaserve_hpc.scheduler.autoscale import HOLD, UP, AutoscalePolicy, Autoscaler, ScaleDecision
-from exaserve_hpc.scheduler.capacity import placeable_replicas
-from exaserve_hpc.scheduler.controller_loop import ControllerLoop
-from exaserve_hpc.scheduler.controller_status import controller_status
-from exaserve_hpc.scheduler.demand import DemandHistory
-from exaserve_hpc.scheduler.fleet import Fleet, FleetSnapshot
-from exaserve_hpc.scheduler.fleet_state import (  # noqa: F401 (re-exported)
-    AgentRecord, ReplicaRecord, model_loads, pick_for_removal
-)
-from exaserve_hpc.scheduler.liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
-from exaserve_hpc.scheduler.oom_control import OomControl
-from exaserve_hpc.scheduler.placement_control import PlacementControl, is_reservation_refusal
-from exaserve_hpc.scheduler.rollout_control import RolloutFleet
-from exaserve_hpc.scheduler.weight_control import WeightControl
+from exaserve_hpc.scheduler.controller_core import ControllerCore
+from exaserve_hpc.scheduler.message_checks import invalid
 from exaserve_hpc.transport import secure_server
 
 log = logging.getLogger("exaserve.controller")
 
-MAX_RESTARTS = 5  # same-node restarts of a failed replica; past this it goes to another node
+STALLED = 30.0  # seconds without a loop round after which /health calls the controller stalled
 MAX_MESSAGE_BYTES = 16 << 20  # an agent's largest message (a heartbeat of a thousand replicas) is ~200 KiB
 
 
-class Controller(ControllerLoop):
+class Controller(ControllerCore):
     def __init__(self, site: SiteConfig, router: RouterPort, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic, context: Optional[zmq.Context] = None,
                  curve=None, expected_agents: Optional[list[str]] = None, placement_grace: float = 30.0,
-                 demand_interval: float = 10.0, run_dir: Optional[Path] = None, bind_socket: bool = True):
+                 demand_interval: float = 10.0, run_dir: Optional[Path] = None):
         """curve: transport.CurveKeys to make the control socket a CURVE server that admits only the job's
-        client key (None: plain TCP, the single-machine default). expected_agents: agent ids the bootstrap
-        saw; placement waits for all of them (at most placement_grace seconds) so the first agent to say
-        hello does not get every replica. demand_interval: seconds per sample of the demand history that
-        the L2 prefetch forecast reads. run_dir: where moved replicas' KV snapshots go (shared storage;
-        default the site's run_dir). bind_socket=False: no socket at all (benchmarks call handle/tick)."""
-        self.site = site
-        self.router = router
-        self.clock = clock
+        client key (None: plain TCP, the single-machine default). The other arguments are the core's."""
         self.context = context or zmq.Context.instance()
-        self.socket = None
-        self._auth = None
-        self.endpoint = ""
-        if bind_socket:
-            self.socket = self.context.socket(zmq.ROUTER)
-            self.socket.setsockopt(zmq.LINGER, 0)
-            # a peer sending more in one message is disconnected by ZeroMQ before anything is read
-            self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            if curve is not None:
-                self._auth = secure_server(self.socket, curve, self.context)
-            self.endpoint = bind(self.socket, host, port)
-        self.expected_agents = set(expected_agents or ())
-        self._placement_opens = clock() + placement_grace
-        self.lost_at: dict[str, float] = {}  # agent id -> clock() when declared lost (benchmarks read it)
-        self.lateness: dict[str, Lateness] = {}  # agent id -> how late its heartbeats arrive (liveness.py)
-        # agent id -> its agent process checked directly (True running, False gone, None cannot tell); set
-        # by `exaserve serve`, whose agent is a child (app/agent_supervisor.py). None: no node can be checked.
-        self.process_check: Optional[Callable[[str], Optional[bool]]] = None
-        self.fleet = Fleet(site, router, run_dir)
-        self.fleet.pipelines.rendezvous = self.endpoint  # where pipeline stages find each other (pipeline.py)
-        self.started_at = time.time()
-        self.restored = None  # controller_state.ControllerState this run started from (a requeued job)
-        self.demand = DemandHistory([m.model_name for m in site.models])
-        self.autoscaler = Autoscaler(AutoscalePolicy.from_site(site))
-        self.decisions: dict[str, ScaleDecision] = {}  # model -> the autoscaler's latest decision
-        self.last_scaling: dict[str, tuple[ScaleDecision, float]] = {}  # model -> (last up/down, wall time)
-        self.bounded: dict[str, str] = {}  # model -> why the autoscaler's target was cut to what can be placed
-        self.demand_interval = demand_interval
-        self._next_demand_sample = 0.0
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # a peer sending more in one message is disconnected by ZeroMQ before anything is read
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._auth = secure_server(self.socket, curve, self.context) if curve is not None else None
+        super().__init__(site, router, clock=clock, expected_agents=expected_agents,
+                         placement_grace=placement_grace, demand_interval=demand_interval, run_dir=run_dir,
+                         endpoint=bind(self.socket, host, port))
         self._stop = threading.Event()
         self.peers = PeerGuard()  # bad messages counted per peer; past a limit the peer is refused a while
         self._errors_logged: set[str] = set()
         self.loop_at = 0.0  # monotonic time the controller loop last went round (liveness)
         self._thread = threading.Thread(target=self._run, name="exaserve-controller", daemon=True)
-        self.on_replica_state: Optional[Callable[[ReplicaRecord], None]] = None
-        self.placement = PlacementControl(self.fleet)  # where replicas go (placement_control.py)
-        self.rollouts = RolloutFleet(self.fleet)  # model versions: what a rollout starts and stops
-        self.fleet.model_dir = self.rollouts.model_dir
-        self.weights = WeightControl(self.fleet, self.placement)  # load failover and L2 prefetch
-        self.oom = OomControl(self.fleet, self.demand, demand_interval)  # evictions when device memory runs short
-        # The HA gate (ha/election.py): False once this controller is not surely the leader. Then it decides
-        # nothing and sends nothing (controller_loop.py), so a deposed leader stops before a standby starts.
-        self.acting: Callable[[], bool] = lambda: True
-        self.ha_status: Optional[Callable[[], dict]] = None
-
-    # the fleet's tables, for readers that knew them here
-    @property
-    def agents(self) -> dict[str, AgentRecord]:
-        return self.fleet.agents
-
-    @property
-    def replicas(self) -> dict[str, ReplicaRecord]:
-        return self.fleet.replicas
-
-    # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> "Controller":
         self._thread.start()
         return self
 
-    def stopping(self) -> None:
-        """The job is stopping (from the stop signal on): a replica an agent stops is neither placed again
-        nor moved, even before shutdown()'s order reaches the agents (they may get the signal too)."""
-        with self.fleet.lock:
-            self.placement.closing = True
-
     def shutdown(self, drain_timeout: float = 10.0, wait: float = 20.0) -> None:
         """Tell every agent to drain and stop its replicas; wait until they all report stopped."""
         self.stopping()
-
-        def close() -> None:
-            self._broadcast(Shutdown(drain_timeout=drain_timeout))
-        self.fleet.submit(close)
+        self.fleet.submit(lambda: self.shut_down_fleet(drain_timeout))
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             with self.fleet.lock:
@@ -179,260 +85,88 @@ class Controller(ControllerLoop):
         if self._auth is not None:
             self._auth.stop()
 
-    def restore(self, state) -> None:
-        """Start from a controller_state.ControllerState (call before start()): its placement is preferred."""
-        with self.fleet.lock:
-            self.restored = state
-            self.placement.preferred = {
-                rid: node for rid, (model, node) in state.placement.items()
-                if node and rid in self.replicas and self.replicas[rid].model == model}
-
-    # ---------------------------------------------------------------- status
-
-    def serving_count(self) -> int:
-        """Replicas serving; 0 while the controller or router is not running (liveness()): /health is 503."""
-        if self.liveness():
-            return 0
-        with self.fleet.lock:
-            return sum(r.state is ReplicaState.SERVING for r in self.replicas.values())
-
     def status(self) -> dict:
-        """The fleet as one JSON-ready dict for people (the gateway's /status, `exaserve status`), any thread."""
-        status = controller_status(self)
-        if self.ha_status is not None:  # an elected controller (ha/): who leads, since when, through which etcd
-            status["ha"] = self.ha_status()
+        """The core's status with what the loop knows: messages dropped and peers refused (peer_guard.py)."""
+        status = super().status()
+        status["controller"].update(self.peers.status(time.monotonic()))
         return status
 
-    def snapshot(self) -> FleetSnapshot:
-        """The fleet as typed values for other components (state keeper, requeue watch), any thread."""
-        with self.fleet.lock:
-            return self.fleet.snapshot()
+    def _run(self) -> None:
+        tick = self.site.scheduler.tick_interval
+        next_tick = 0.0
+        while not self._stop.is_set():
+            self.loop_at = time.monotonic()
+            if self.socket.poll(min(100, int(tick * 1000))):
+                self._receive()
+            due = self.clock() >= next_tick
+            if due:
+                self._receive()  # what arrived while the loop was busy counts before any node is judged
+            with self.fleet.lock:
+                while not self.fleet.commands.empty():
+                    self._guarded("a queued command", self.fleet.commands.get_nowait())
+                if due:
+                    now = self.clock()
+                    self._guarded("the periodic tick", lambda: self.tick(now))
+                    next_tick = now + tick
+            self._flush()
 
-    # ---------------------------------------------------------------- messages (the loop: controller_loop.py)
-
-    def handle(self, agent_id: str, message) -> None:
-        """One message from an agent (fleet lock held); replies go to the fleet's outbox."""
-        if not self.acting():
-            return
-        now = self.clock()
-        fleet = self.fleet
-        if isinstance(message, StageHello):  # a pipeline stage process looking for its peers (pipeline.py)
-            fleet.send(agent_id, fleet.pipelines.on_hello(message))
-            return
-        if isinstance(message, AgentHello):
-            log.info("agent %s joined from %s (pid %d, %d GPUs)", agent_id, message.hostname, message.pid,
-                     len(message.gpus))
-            fleet.join(AgentRecord.from_hello(agent_id, message, now))
-            self._place(now)
-            return
-        agent = fleet.agents.get(agent_id)
-        if agent is None:
-            return  # a heartbeat from before our restart: the agent's hello will follow
-        agent.last_seen = now
-        if agent.silent_since and not agent.lost:
-            log.warning("node %s heard again after %.1fs of silence: not lost", agent_id, now - agent.silent_since)
-        agent.silent_since = 0.0
-        if agent.lost:
-            log.warning("agent %s is back after being declared lost", agent_id)
-            agent.lost = False
-        if isinstance(message, AgentHeartbeat):
-            fleet.send(agent_id, HeartbeatAck(seq=message.seq))  # the agent's proof that we are alive
-            self.lateness.setdefault(agent_id, Lateness(self.site.heartbeat.interval)).arrived(now)
-            agent.on_heartbeat(message, now)
-            for status in message.replicas:
-                record = fleet.replicas.get(status.replica_id)
-                if record is not None and record.agent_id == agent_id:
-                    record.pid = status.pid
-                    record.load_progress, record.load_source = status.load_progress, status.load_source
-                    record.load_bytes_done, record.load_bytes_total = status.load_bytes_done, status.load_bytes_total
-                elif record is not None and self._adoptable(record, agent_id, status):
-                    self._adopt(record, agent_id, status)
-                elif record is not None and not ReplicaState(status.state).terminal \
-                        and self.placement.preferred.get(status.replica_id) != agent_id:
-                    # (A replica the restored state places here is kept: a new leader, ha/, places it here.)
-                    # An agent declared lost came back (a stall, not a death) while its replica was
-                    # re-placed elsewhere: one copy must go, and it is the stale one.
-                    log.warning("agent %s still runs replica %s, now placed on %s; stopping the stale copy",
-                                agent_id, status.replica_id, record.agent_id)
-                    fleet.send(agent_id, StopReplica(replica_id=status.replica_id, drain_timeout=5.0))
-        elif isinstance(message, ReplicaEvent):
-            self._on_replica_event(agent_id, message, now)
-        elif isinstance(message, LoadFailed):
-            self.weights.on_load_failed(agent_id, message)
-
-    def _adoptable(self, record: ReplicaRecord, agent_id: str, status) -> bool:
-        """The node that came back still runs `record`, which found no other home meanwhile."""
-        lost = record.lost_assignment
-        return (lost is not None and record.assignment is None and not record.stopping and lost.node == agent_id
-                and not ReplicaState(status.state).terminal
-                and all(n in self.agents and not self.agents[n].lost for n in lost.nodes))
-
-    def _adopt(self, record: ReplicaRecord, agent_id: str, status) -> None:
-        record.assignment, record.lost_assignment = record.lost_assignment, None
-        record.agent_id, record.pid = agent_id, status.pid
-        record.state = ReplicaState(status.state)
-        record.tried_agents.discard(agent_id)
-        record.detail = f"adopted: still running on {agent_id}, which came back"
-        log.warning("replica %s adopted: %s came back still running it (not restarted)", record.replica_id,
-                    agent_id)
-
-    def _on_replica_event(self, agent_id: str, event: ReplicaEvent, now: float) -> None:
-        if self.fleet.pipelines.on_stage_event(event):  # a later pipeline stage's process (pipeline.py)
-            return
-        record = self.replicas.get(event.replica_id)
-        if record is None or record.agent_id != agent_id:
-            return
-        state = ReplicaState(event.state)
-        if state is ReplicaState.STOPPED and event.detail.startswith(STOPPED_UNASKED) and not record.stopping:
-            # Neither we nor its agent stopped it (the router dropped it after a stall, then told it to
-            # drain): a failure to restart in place, not its node leaving.
-            state = ReplicaState.FAILED
-        record.state = state
-        record.detail = event.detail
-        record.transitions.append((state.value, event.seconds_in_previous_state))
-        log.info("replica %s %s (%.2fs in previous state) %s", record.replica_id, state.value,
-                 event.seconds_in_previous_state, event.detail)
-        if record.stopping and state.terminal:
-            self.fleet.forget(record, f"scaled down, {state.value}")
-        elif state is ReplicaState.STOPPED:
-            self.placement.left(record, event.detail)
-        elif state is ReplicaState.SERVING:
-            record.tried_agents.clear()
-            record.failure = ""
-        elif is_reservation_refusal(state, event.detail):
-            self.placement.refused(record, event.detail)
-        elif state is ReplicaState.FAILED:
-            self.router.replica_lost(record.replica_id, f"process failed: {event.detail}")
-            if record.restarts < MAX_RESTARTS:
-                record.restarts += 1
-                record.restart_at = now + min(30.0, 0.5 * 2 ** record.restarts)
-                log.warning("replica %s failed (%s); restart %d/%d", record.replica_id, event.detail,
-                            record.restarts, MAX_RESTARTS)
-            else:
-                self.placement.gave_up(record, record.restarts + 1, event.detail)
-        if self.on_replica_state is not None:
-            self.on_replica_state(record)
-
-    def tick(self, now: float) -> None:
-        """Periodic work (fleet lock held): lost nodes, restarts, autoscaling, rollouts, OOM guard,
-        placement and rebalancing, demand samples and L2 prefetch."""
-        if not self.acting():
-            return
-        self._judge_nodes(now)
-        for record in self.replicas.values():
-            if record.state is ReplicaState.FAILED and record.restart_at and now >= record.restart_at \
-                    and record.agent_id and record.assignment is not None:
-                record.restart_at = 0.0
-                self.fleet.start(record)
-        self._autoscale(now)
-        self.rollouts.tick()
-        self.oom.tick(now)
-        self._place(now)
-        self.placement.tick(now)
-        if now >= self._next_demand_sample:
-            self._next_demand_sample = now + self.demand_interval
-            self.demand.observe(self.router.snapshot())
-            self.weights.prefetch(now, self.demand, self.demand_interval)
-
-    # ---------------------------------------------------------------- liveness (liveness.py)
-
-    def _judge_nodes(self, now: float) -> None:
-        """Suspect, clear or declare lost each node by liveness.judge, fed every channel we have."""
-        expiry, base = self.site.heartbeat.expiry, self.site.heartbeat.loss_grace
-        quiet = [a for a in self.agents.values() if not a.lost and now - a.last_seen > expiry]
-        if not quiet:
-            return
-        replica_heard = self._replicas_heard(now)
-        for agent in quiet:
-            other = max((replica_heard.get(r.replica_id, 0.0) for r in self.replicas.values()
-                         if r.agent_id == agent.agent_id), default=0.0)
-            process = self.process_check(agent.agent_id) if self.process_check is not None else None
-            lateness = self.lateness.get(agent.agent_id)
-            grace = adaptive_grace(base, lateness.worst() if lateness else 0.0, expiry)
-            verdict = judge(now, Evidence(agent.last_seen, other, process), expiry, grace)
-            if verdict.state == SUSPECT and not agent.silent_since:  # a sign of life within the grace cancels it
-                agent.silent_since = now
-                log.warning("node %s %s; lost in %.1fs unless heard", agent.agent_id, verdict.why,
-                            expiry + grace - verdict.silent)
-            elif verdict.state == LOST:
-                agent.lost = True
-                self.lost_at[agent.agent_id] = now
-                metrics.NODES_LOST.inc()
-                log.error("node %s lost: %s (heartbeat %d x %.1fs)", agent.agent_id, verdict.why,
-                          self.site.heartbeat.misses, self.site.heartbeat.interval)
-                self.placement.node_lost(agent.agent_id)
-            elif verdict.state not in (SUSPECT, LOST) and agent.silent_since:
-                log.warning("node %s not lost: %s", agent.agent_id, verdict.why)
-                agent.silent_since = 0.0
-
-    def _replicas_heard(self, now: float) -> dict[str, float]:
-        """replica id -> when the router last heard from it, on our clock (its snapshot's ages)."""
+    def _guarded(self, what: str, work: Callable[[], None]) -> None:
+        """Run `work`; an exception is logged (once per distinct error) instead of ending the thread."""
         try:
-            silent = self.router.snapshot().get("replica_silent_s") or {}
-        except Exception:  # a router without snapshots (tests' stand-ins): no second channel
-            return {}
-        return {rid: now - float(age) for rid, age in silent.items()}
+            work()
+        except Exception as exc:
+            key = f"{what}: {type(exc).__name__}: {exc}"[:300]
+            if key not in self._errors_logged and len(self._errors_logged) < 256:
+                self._errors_logged.add(key)
+                log.exception("controller: %s failed (the controller carries on)", what)
 
-    # ---------------------------------------------------------------- autoscaling
-
-    def _autoscale(self, now: float) -> None:
-        """One autoscaler tick: loads from the router's counters, decisions carried out at once."""
-        snapshot = self.router.snapshot()
-        routed = {r["replica_id"]: r for r in snapshot.get("replicas", [])}
-        loads = model_loads(self.site, self.replicas.values(), routed, snapshot.get("pending_by_model", {}))
-        for decision in self.autoscaler.tick(loads, now):
-            self.decisions[decision.model] = decision
-            if decision.direction == HOLD:
-                log.debug("autoscale %s: %s", decision.model, decision.reason)
+    def _receive(self) -> None:
+        """Every waiting message (at most 1000), each under its own guard (exaserve_hpc/peer_guard.py)."""
+        for _ in range(1000):
+            try:
+                peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not two frames
+            now = time.monotonic()
+            if self.peers.refused(peer, now):
                 continue
-            log.info("autoscale %s: %s", decision.model, decision.reason)
-            self.last_scaling[decision.model] = (decision, time.time())
-            if decision.direction == UP:
-                self._scale_up(decision)
-            else:
-                self._scale_down(decision, routed)
+            try:
+                message = decode(frame)
+            except DecodeError as exc:
+                self._bad(peer, "undecodable", str(exc), now)
+                continue
+            why = invalid(message)
+            if why:
+                self._bad(peer, type(message).__name__, why, now)
+                continue
+            try:
+                with self.fleet.lock:
+                    self.handle(peer.decode(errors="replace"), message)
+            except Exception as exc:
+                self._bad(peer, f"{type(message).__name__}: {type(exc).__name__}", repr(exc), now)
+                log.debug("handler failed", exc_info=True)
+            self._flush()
 
-    def _scale_up(self, decision: ScaleDecision) -> None:
-        """New records for the missing replicas, as many as can be placed now (capacity.placeable_replicas:
-        the target never exceeds what fits); placement starts them. The decision counts serving replicas;
-        the ones already starting count here, so a slow start adds no extras."""
-        fleet = self.fleet
-        active = fleet.active(decision.model)
-        missing = decision.target - len(active)
-        if missing <= 0 or not fleet.live_agents():
-            return
-        waiting = sum(r.assignment is None and not r.given_up for r in active)
-        # Nodes closed for a while (OOM guard) count as room: a replica may wait for one to reopen.
-        room, why = placeable_replicas(fleet.plan(), fleet.topology(), fleet.catalogue[decision.model], fleet.cap,
-                                       missing + waiting)
-        count = min(missing, max(0, room - waiting))
-        if count < missing:
-            self.bounded[decision.model] = (f"target {decision.target} cut to {len(active) + count}: "
-                                            f"room for {max(0, room - waiting)} more ({why})")
-            log.info("autoscale %s: %s", decision.model, self.bounded[decision.model])
-        else:
-            self.bounded.pop(decision.model, None)
-        added = fleet.add(decision.model, count, f"added by autoscaler: {decision.reason}",
-                          version=self.rollouts.stable(decision.model))
-        if added:
-            log.info("autoscale %s: adding %s", decision.model, ", ".join(r.replica_id for r in added))
+    def _bad(self, peer: bytes, kind: str, detail: str, now: float) -> None:
+        line = self.peers.bad(peer, kind, detail, now)
+        if line:
+            log.warning("controller: %s", line)
 
-    def _scale_down(self, decision: ScaleDecision, routed: dict[str, dict]) -> None:
-        if self.placement.moving(decision.model):
-            return  # a move holds one replica more for a while; the next decision after it counts
-        active = self.rollouts.scalable(decision.model, self.fleet.active(decision.model))
-        keep = max(decision.target, self.site.min_replicas(self.site.model(decision.model)))
-        for rid in pick_for_removal(active, routed, len(active) - keep, self.fleet.group_of()):
-            self.fleet.retire(self.replicas[rid], decision.reason)
-        self.bounded.pop(decision.model, None)
+    def liveness(self) -> list[str]:
+        """What keeps the service from working, for /health ([] when the controller and router run)."""
+        problems = []
+        if not self._thread.is_alive():
+            problems.append("controller thread stopped")
+        elif self.loop_at and time.monotonic() - self.loop_at > STALLED:
+            problems.append(f"controller loop stalled for {time.monotonic() - self.loop_at:.0f}s")
+        return problems + super().liveness()
 
-    # ---------------------------------------------------------------- placement
-
-    def _place(self, now: float) -> None:
-        if self.expected_agents - set(self.agents) and now < self._placement_opens:
-            return  # still waiting for agents the bootstrap announced
-        self.placement.place()
-
-    def _broadcast(self, message) -> None:
-        for agent in self.fleet.live_agents():
-            self.fleet.send(agent.agent_id, message)
+    def _flush(self) -> None:
+        """Send the core's effects (the only place the socket is written)."""
+        for agent_id, message in self.take_effects():
+            try:
+                self.socket.send_multipart([agent_id.encode(), encode(message)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("cannot reach agent %s: %s", agent_id, exc)

@@ -15,14 +15,14 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from exaserve_hpc.scheduler.controller import Controller
+    from exaserve_hpc.scheduler.controller_core import ControllerCore
 
 
 def _finite(x: float) -> Optional[float]:
     return round(x, 3) if math.isfinite(x) else None  # JSON has no infinity (no replica serving, work queued)
 
 
-def controller_status(ctl: "Controller") -> dict:
+def controller_status(ctl: "ControllerCore") -> dict:
     """The fleet as one JSON-ready dict (see the module docstring)."""
     snapshot = ctl.router.snapshot()
     routed = {r["replica_id"]: r for r in snapshot.get("replicas", [])}
@@ -36,7 +36,7 @@ def controller_status(ctl: "Controller") -> dict:
             "controller": {"endpoint": ctl.endpoint, "started_at": ctl.started_at,
                            "router_frontend": ctl.router.frontend_endpoint,
                            "router_backend": ctl.router.backend_endpoint,
-                           "liveness": ctl.liveness() or "ok", **ctl.peers.status(time.monotonic())},
+                           "liveness": ctl.liveness() or "ok"},
             "agents": [
                 # GPUs: the ones granted to the agent's step (its memory pool's devices), as NVML may not
                 # report them (the count of NVML readings, a.gpus, is 0 there)
@@ -84,7 +84,7 @@ def controller_status(ctl: "Controller") -> dict:
         ctl.fleet.lock.release()
 
 
-def models_summary(ctl: "Controller") -> list[dict]:
+def models_summary(ctl: "ControllerCore") -> list[dict]:
     """Per model: replicas serving (current) and wanted (target), the latest decision, the last scaling."""
     summary = []
     for model in ctl.site.models:

@@ -1,7 +1,7 @@
 """Discrete-event simulation of the running control plane: the real controller core and router dispatcher.
 
 One event heap in simulated seconds; nothing reads the wall clock, opens a socket or starts a thread.
-- The controller is `scheduler.controller.Controller` with `bind_socket=False` and the simulation's clock:
+- The controller is `scheduler.controller_core.ControllerCore` (no socket, no thread) with the simulation's clock:
   agents' hellos, heartbeats and replica events go to `Controller.handle`, `Controller.tick` runs every
   `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
   the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
@@ -32,12 +32,12 @@ from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.timing import timings_for
 from exaserve_hpc.protocol import (
     Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
-    StartReplica, StopReplica, TokenChunk,
+    StartReplica, StopReplica, TokenChunk
 )
 from exaserve_hpc.router.dispatch import GATEWAY
 from exaserve_hpc.router.dispatch_state import request_id_of
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.scheduler.controller_core import ControllerCore
 from exaserve_hpc.scheduler.requeue_policy import RequeueSnapshot, requeue_decision
 from exaserve_hpc.sim.fleet import SimAgent
 from exaserve_hpc.sim.metrics import Recorder
@@ -82,7 +82,7 @@ class Simulation:
         self.progress_every = min(10.0, self.dispatcher.settings.stall_limit / 4)
         hosts = site.cluster.hostnames()
         self.agents = {h: SimAgent(h, self) for h in hosts}
-        self.ctl = Controller(site, self.router, clock=lambda: self.now, bind_socket=False, expected_agents=hosts,
+        self.ctl = ControllerCore(site, self.router, clock=lambda: self.now, expected_agents=hosts,
                               run_dir=run_dir)
         self.static = static
         self.warm_until = 1.0  # StartReplicas sent before this load in a second (the initial placement)
@@ -129,7 +129,7 @@ class Simulation:
 
     def _flush(self) -> None:
         """Carry out what the controller and router left to send."""
-        for agent_id, message in self.ctl.fleet.take_outbox():
+        for agent_id, message in self.ctl.take_effects():
             agent = self.agents.get(agent_id)
             if agent is None:
                 continue

@@ -8,9 +8,8 @@ import zmq
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.base import EngineRequest
 from exaserve_hpc.engine.block_manager import prompt_block_hashes
-from exaserve_hpc.engine.kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, decode_batch,
-)
+from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from exaserve_hpc.engine.kv_publisher import KVEventPublisher
 from exaserve_hpc.engine.reference import ReferenceEngine
 
 SPEC = TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=48,

@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import mpi_parallel_check as check  # noqa: E402
 import numpy as np
 import pytest
 
@@ -14,10 +15,10 @@ from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers
 from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_checkpoint
 from exaserve_hpc.engine.reference import ReferenceEngine
-from exaserve_hpc.engine.stage_link import LinkError, ZmqStageLink
+from exaserve_hpc.engine.stage_link import LinkError
+from exaserve_hpc.engine.stage_transports import ZmqStageLink
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mpi_parallel_check as check  # noqa: E402
 
 SPEC = TinyModelSpec(layers=4, hidden=64, heads=8, kv_heads=4, intermediate=176,
                      max_position=128, shards=1, seed=4)

@@ -93,7 +93,7 @@ def test_engine_settings_carry_the_site_into_what_each_engine_takes():
 
 
 def test_a_replica_publishes_kv_events_where_its_router_can_subscribe(monkeypatch):
-    from exaserve_hpc.engine.kv_events import kv_events_announced, kv_events_bind
+    from exaserve_hpc.engine.kv_publisher import kv_events_announced, kv_events_bind
     assert kv_events_bind("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:*"
     assert kv_events_bind("tcp://localhost:5555") == "tcp://127.0.0.1:*"
     assert kv_events_bind("tcp://[::1]:5555") == "tcp://[::1]:*"

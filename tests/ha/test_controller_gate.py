@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from exaserve_hpc.controller_state import ControllerState
 from exaserve_hpc.protocol import AgentHeartbeat, ReplicaStatus, StartReplica, StopReplica
-from exaserve_hpc.scheduler.controller import Controller
+from exaserve_hpc.scheduler.controller_core import ControllerCore
 from tests.scheduler.test_controller_placement import Clock, StubRouter, gpu_site, hello, starts
 
 
 def test_a_controller_not_acting_places_nothing_and_queues_nothing(tmp_path):
     site = gpu_site(tmp_path)
     leading = {"now": False}
-    ctl = Controller(site, StubRouter(), clock=Clock(), expected_agents=site.cluster.hostnames(), bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=Clock(), expected_agents=site.cluster.hostnames())
     ctl.acting = lambda: leading["now"]
     for node in site.cluster.hostnames():
         ctl.handle(node, hello(site, node))
@@ -27,14 +27,14 @@ def test_a_controller_not_acting_places_nothing_and_queues_nothing(tmp_path):
 def test_a_new_leader_keeps_a_restored_replica_where_it_runs(tmp_path):
     site = gpu_site(tmp_path)
     nodes = site.cluster.hostnames()
-    first = Controller(site, StubRouter(), clock=Clock(), expected_agents=nodes, bind_socket=False)
+    first = ControllerCore(site, StubRouter(), clock=Clock(), expected_agents=nodes)
     for node in nodes:
         first.handle(node, hello(site, node))
     placed = starts(first)
     rid, (node, spec) = next(iter(placed.items()))
     state = ControllerState("j", 0, 0.0, placement={r: (s.model, n) for r, (n, s) in placed.items()})
 
-    second = Controller(site, StubRouter(), clock=Clock(), expected_agents=nodes, bind_socket=False)
+    second = ControllerCore(site, StubRouter(), clock=Clock(), expected_agents=nodes)
     second.restore(state)
     second.handle(node, hello(site, node))  # the other agents have not re-registered yet: nothing placed
     second.handle(node, AgentHeartbeat(agent_id=node, seq=1, replicas=[

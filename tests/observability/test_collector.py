@@ -7,18 +7,17 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exaserve_hpc.observability.collector import render_metrics
-from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.app.routing import dispatch_settings, router_policy
-from exaserve_hpc.observability.collector import FLEET, families, sample_fleet
+from exaserve_hpc.config.schema import parse_site
+from exaserve_hpc.observability.collector import FLEET, families, render_metrics, sample_fleet
 from exaserve_hpc.observability.readings import FleetReadings, ReplicaReading
 from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, ReplicaHello, ReplicaStats, ReplicaStatus,
-    StartReplica,
+    StartReplica
 )
 from exaserve_hpc.router.dispatch import Dispatcher
-from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.router.port import RouterPortStub
+from exaserve_hpc.scheduler.controller_core import ControllerCore
 
 GiB = 1 << 30
 
@@ -73,7 +72,7 @@ def fleet(tmp_path):
     clock = Clock()
     dispatcher = Dispatcher(router_policy(site), dispatch_settings(site), {"tiny"})
     router = DispatcherRouter(dispatcher)
-    ctl = Controller(site, router, clock=clock, bind_socket=False)
+    ctl = ControllerCore(site, router, clock=clock)
     gpus = [GpuInfo(index=i, name="A100", memory_total=80 * GiB, memory_used=(10 + i) * GiB, utilization=50.0 + i,
                     temperature=60.0, power_watts=200.0) for i in range(2)]
     pool = [80 * GiB] * 2

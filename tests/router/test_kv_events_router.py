@@ -7,7 +7,8 @@ import time
 import zmq
 
 from exaserve_hpc.engine.block_manager import prompt_block_hashes
-from exaserve_hpc.engine.kv_events import BlockStored, KVEventPublisher
+from exaserve_hpc.engine.kv_events import BlockStored
+from exaserve_hpc.engine.kv_publisher import KVEventPublisher
 from exaserve_hpc.protocol import ReplicaHello, encode
 from exaserve_hpc.router.affinity import AffinitySettings, PrefixAffinity
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings

@@ -12,16 +12,14 @@ from __future__ import annotations
 import pytest
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.protocol import (
-    AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, StartReplica, StopReplica,
-)
+from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, StartReplica, StopReplica
+from exaserve_hpc.router.port import RouterPortStub
 from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.controller import MAX_RESTARTS, Controller
+from exaserve_hpc.scheduler.controller_core import MAX_RESTARTS, ControllerCore
 from exaserve_hpc.scheduler.failover import failover
 from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.placement import plan_site
 from exaserve_hpc.topology import topology_from_site
-from exaserve_hpc.router.port import RouterPortStub
 
 GiB = 1 << 30
 
@@ -80,7 +78,7 @@ def hello(site, node: str) -> AgentHello:
 def controller_with_agents(site, nodes=None):
     clock = Clock()
     nodes = nodes or site.cluster.hostnames()
-    ctl = Controller(site, StubRouter(), clock=clock, expected_agents=nodes, bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=clock, expected_agents=nodes)
     for node in reversed(nodes):  # hello order must not matter: the site's host order does
         ctl.handle(node, hello(site, node))
     return ctl, clock
@@ -199,7 +197,7 @@ def test_a_rebalance_round_moves_at_most_max_moves_per_round_keeping_the_cache_o
                                      "cooldown_period": 3600},
                        "weight_cache": {"l3_path": str(tmp_path / "models")}, "models": models})
     clock = Clock()
-    ctl = Controller(site, StubRouter(), clock=clock, bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=clock)
     pool = MemoryPoolStatus(block_size=GiB, total=[8 * GiB], free=[8 * GiB])
     ctl.handle("a", AgentHello(agent_id="a", hostname="a", pid=1, host_memory_total=8 * GiB, memory=pool))
     first = starts(ctl)
@@ -269,8 +267,7 @@ def test_a_replica_its_node_stops_unasked_moves_with_its_kv_snapshot_and_the_nod
     (_, (where, _)), = starts(ctl).items()
     assert where == "b"  # the leaving node takes no new replica
     # when the controller itself shuts the fleet down, stopped replicas stay stopped
-    ctl.shutdown(wait=0.0)
-    ctl.fleet.commands.get_nowait()()
+    ctl.shut_down_fleet(drain_timeout=10.0)
     ctl.handle("b", ReplicaEvent(agent_id="b", replica_id=rid, state="stopped", detail="shutdown"))
     assert not starts(ctl)
 
@@ -282,7 +279,7 @@ def test_nvlink_domains_come_from_nvml_where_the_agents_report_them(tmp_path):
         {"model_name": "tp2", "engine": "echo", "replicas": 1, "min_replicas": 1, "tensor_parallel": 2},
         {"model_name": "tp4", "engine": "echo", "replicas": 1, "min_replicas": 1, "tensor_parallel": 4}])
     clock = Clock()
-    ctl = Controller(site, StubRouter(), clock=clock, bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=clock)
     greeting = hello(site, "n1")
     for gpu in greeting.gpus:
         gpu.nvlink_domain = gpu.index // 2
@@ -305,7 +302,7 @@ def test_granted_gpus_nvml_cannot_see_are_planned_as_gpus_of_their_pool_share(tm
                        "models": [{"model_name": "m", "engine": "echo", "replicas": 4, "min_replicas": 4,
                                    "gpu_memory_utilization": 0.6}]})
     clock = Clock()
-    ctl = Controller(site, StubRouter(), clock=clock, bind_socket=False, expected_agents=["n1", "n2"])
+    ctl = ControllerCore(site, StubRouter(), clock=clock, expected_agents=["n1", "n2"])
     share = 700 << 20  # (host memory x 0.9 - L2) / 4
     for node in ("n1", "n2"):
         ctl.handle(node, AgentHello(agent_id=node, hostname=node, pid=1, host_memory_total=4 * GiB,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StartReplica
-from exaserve_hpc.scheduler.controller import Controller
 from exaserve_hpc.router.port import RouterPortStub
+from exaserve_hpc.scheduler.controller_core import ControllerCore
 
 GiB = 1 << 30
 
@@ -27,7 +27,7 @@ def fleet(tmp_path):
                        "weight_cache": {"l3_path": str(tmp_path / "models")},
                        "models": [{"model_name": "m", "engine": "echo", "replicas": 2, "min_replicas": 2,
                                    "max_seq_len": 256}]})
-    ctl = Controller(site, StubRouter(), clock=lambda: 100.0, expected_agents=["a", "b"], bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=lambda: 100.0, expected_agents=["a", "b"])
     for node in ("a", "b"):
         pool = [4 * GiB]
         ctl.handle(node, AgentHello(agent_id=node, hostname=node, pid=1, host_memory_total=8 * GiB,

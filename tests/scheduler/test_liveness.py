@@ -8,11 +8,16 @@ import os
 import subprocess
 import sys
 
+import yaml  # noqa: E402
+
 from exaserve_hpc.agent.replica_process import replica_threads
 from exaserve_hpc.app.agent_supervisor import process_running
+from exaserve_hpc.config.schema import parse_site  # noqa: E402
+from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
+from exaserve_hpc.router.port import RouterPortStub
+from exaserve_hpc.scheduler.controller_core import ControllerCore  # noqa: E402
 from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, node_replica_cap
 from exaserve_hpc.scheduler.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
-
 
 # ---------------------------------------------------------------- judge
 
@@ -90,12 +95,7 @@ def test_replica_threads_reads_the_blas_variables():
 
 # ---------------------------------------------------------------- the controller feeding them
 
-import yaml  # noqa: E402
 
-from exaserve_hpc.config.schema import parse_site  # noqa: E402
-from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
-from exaserve_hpc.scheduler.controller import Controller  # noqa: E402
-from exaserve_hpc.router.port import RouterPortStub
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -125,7 +125,7 @@ def controller(tmp_path, replicas: int = 2, max_per_node: int = 16, grace=None):
     data["models"][0].update(replicas=replicas, min_replicas=1)
     data["heartbeat"] = {"interval": 1.0, "misses": 3, **({"grace": grace} if grace is not None else {})}
     now = [0.0]
-    ctl = Controller(parse_site(data), Router(), clock=lambda: now[0], bind_socket=False, placement_grace=0)
+    ctl = ControllerCore(parse_site(data), Router(), clock=lambda: now[0], placement_grace=0)
     return ctl, now
 
 

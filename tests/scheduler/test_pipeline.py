@@ -5,12 +5,10 @@ moving the whole replica to a new attempt on live nodes."""
 from __future__ import annotations
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.protocol import (
-    AgentHello, MemoryPoolStatus, ReplicaEvent, StageHello, StageTable, StartReplica,
-)
-from exaserve_hpc.scheduler.controller import Controller
-from exaserve_hpc.scheduler.pipeline import PipelineStages, stage_of, stage_process_id
+from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StageHello, StageTable, StartReplica
 from exaserve_hpc.router.port import RouterPortStub
+from exaserve_hpc.scheduler.controller_core import ControllerCore
+from exaserve_hpc.scheduler.pipeline import PipelineStages, stage_of, stage_process_id
 
 GiB = 1 << 30
 
@@ -49,7 +47,7 @@ def pp_controller(tmp_path):
                     "pipeline_parallel": 2}],
     })
     clock = Clock()
-    ctl = Controller(site, StubRouter(), clock=clock, expected_agents=["n1", "n2", "n3"], bind_socket=False)
+    ctl = ControllerCore(site, StubRouter(), clock=clock, expected_agents=["n1", "n2", "n3"])
     ctl.fleet.pipelines.rendezvous = "tcp://ctl:5555"
     for node in ("n1", "n2", "n3"):
         ctl.handle(node, AgentHello(agent_id=node, hostname=node, pid=1, host_memory_total=64 * GiB,

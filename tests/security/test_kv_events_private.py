@@ -20,16 +20,17 @@ from pathlib import Path
 import openai
 import pytest
 import zmq
+from serve_harness import start_serve, stop_serve, write_local_site
 
-from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.engine.block_manager import install_block_hash_salt
-from exaserve_hpc.transport import make_curve_keys, run_salt
 from exaserve_hpc.cache.checkpoint import TINY_TOKENIZER_DIR
-from exaserve_hpc.engine.block_manager import block_hash_salt, prompt_block_hashes, set_block_hash_salt
+from exaserve_hpc.engine.block_manager import (
+    block_hash_salt, install_block_hash_salt, prompt_block_hashes, set_block_hash_salt
+)
 from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
 from exaserve_hpc.engine.kv_events import BlockStored, decode_batch
+from exaserve_hpc.jobdir import JobDir, run_salt
 from exaserve_hpc.router.prefix_index import EngineBlockHasher
-from serve_harness import start_serve, stop_serve, write_local_site
+from exaserve_hpc.transport import make_curve_keys
 
 PROMPT = "The access code is 4711. A shared system prompt long enough to fill several KV blocks of tokens. " * 2
 BLOCK = 16
