@@ -27,7 +27,7 @@ from exaserve_hpc.router.balancing import RoundRobin
 from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
-from test_kv_events_router import wait_for  # tests/router is on sys.path (pytest's rootdir-relative import)
+from tests.unit.router.test_kv_events_router import wait_for
 
 HANDSHAKE_S = 15.0  # a CURVE handshake is slow on a busy machine
 REFUSED = "refused a CURVE client"

@@ -1,12 +1,9 @@
 """Pipeline stages over real ZeroMQ links (loopback, one thread per stage): the same greedy tokens as
 one unsplit engine, and a lost stage is an error naming it, never a hang."""
 
-import sys
 import threading
 import time
-from pathlib import Path
 
-import mpi_parallel_check as check  # noqa: E402
 import numpy as np
 import pytest
 
@@ -17,8 +14,7 @@ from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_
 from exaserve_hpc.engine.reference import ReferenceEngine
 from exaserve_hpc.engine.stage_link import LinkError
 from exaserve_hpc.engine.stage_transports import ZmqStageLink
-
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.engine import mpi_parallel_check as check
 
 SPEC = TinyModelSpec(layers=4, hidden=64, heads=8, kv_heads=4, intermediate=176,
                      max_position=128, shards=1, seed=4)

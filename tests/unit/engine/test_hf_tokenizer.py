@@ -572,7 +572,7 @@ def test_byte_tokenizer_protocol_additions():
 
 # ----------------------------------------------------------------------------- golden fixtures
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 FAMILIES = ["llama3", "mistral", "qwen2"]
 
 

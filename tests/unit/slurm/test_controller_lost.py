@@ -18,9 +18,9 @@ from exaserve_hpc.app.controller_lost import (
 from exaserve_hpc.scheduler.requeue_policy import controller_lost_decision
 from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult
 
-from .test_jobenv import Runner  # a recording runner answering by command prefix
+from tests.unit.slurm.test_jobenv import Runner  # a recording runner answering by command prefix
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 
 
 def test_the_decision_is_a_successor_excluding_the_controllers_node_else_a_cancel():

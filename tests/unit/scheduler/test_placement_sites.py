@@ -14,7 +14,7 @@ from exaserve_hpc.scheduler.plan import replica_index
 from exaserve_hpc.scheduler.placement import plan_site
 from exaserve_hpc.topology import topology_from_site
 
-SITES = Path(__file__).resolve().parents[2] / "site-configs"
+SITES = Path(__file__).resolve().parents[3] / "site-configs"
 
 
 @pytest.fixture(scope="module")

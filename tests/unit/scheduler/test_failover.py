@@ -13,7 +13,7 @@ from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.placement import plan_catalogue, plan_site
 from exaserve_hpc.topology import topology_from_site
 
-SITES = Path(__file__).resolve().parents[2] / "site-configs"
+SITES = Path(__file__).resolve().parents[3] / "site-configs"
 
 
 def _one_group(replicas=5):

@@ -12,7 +12,7 @@ from exaserve_hpc.scheduler.failover import failover
 from exaserve_hpc.scheduler.invariants import plan_violations
 from exaserve_hpc.scheduler.placement import plan_catalogue, plan_site
 from exaserve_hpc.scheduler.rebalance import rebalance
-from site_strategies import parts, sites
+from tests.scheduler.site_strategies import parts, sites
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

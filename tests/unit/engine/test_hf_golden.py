@@ -24,7 +24,7 @@ from exaserve_hpc.engine.base import EngineRequest
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.reference import ReferenceEngine
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 FAMILIES = ("llama3", "mistral", "qwen2")
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text())["families"]
 LOGITS = load_file(str(FIXTURES / "golden_logits.safetensors"))

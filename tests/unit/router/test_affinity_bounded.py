@@ -16,7 +16,7 @@ from exaserve_hpc.router.balancing import ReplicaLoad, ReplicaPool, WeightSettin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.policies import make_policy, policy_for_site
 
-from test_affinity import BLOCK, pool_of  # the same block size and pool of idle replicas
+from tests.router.test_affinity import BLOCK, pool_of  # the same block size and pool of idle replicas
 
 
 def policy(factor: float, samples: int = 4, explore: float = 0.0, compiled: bool = True) -> PrefixAffinity:

@@ -20,7 +20,7 @@ import uvicorn
 from exaserve_hpc.config.schema import SiteConfig, parse_site
 from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.gateway.app import create_app
-from fake_backend import FakeBackend
+from tests.unit.gateway.fake_backend import FakeBackend
 
 MODEL = "tiny-echo"
 MAX_SEQ_LEN = 256

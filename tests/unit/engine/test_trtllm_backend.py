@@ -26,7 +26,7 @@ from exaserve_hpc.engine.trtllm_backend import (
     kv_bytes_per_token, kv_token_budget, llm_args, llm_args_from_config,
 )
 
-STANDIN = Path(__file__).parent / "trtllm_standin"
+STANDIN = Path(__file__).resolve().parents[2] / "engine" / "trtllm_standin"
 GiB = 1 << 30
 LLAMA_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "hidden_size": 4096, "torch_dtype": "bfloat16"}

@@ -15,7 +15,7 @@ from exaserve_hpc.jobenv.slurm import end_time_from_scontrol, end_time_from_sque
 from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult
 from exaserve_hpc.slurm.parse import parse_scontrol_show
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 
 
 def local_epoch(text: str) -> float:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MAX_SEQ_LEN, MODEL, make_site
+from tests.unit.gateway.conftest import MAX_SEQ_LEN, MODEL, make_site
 from exaserve_hpc.engine.tokenizer import ByteTokenizer, apply_chat_template
 from exaserve_hpc.gateway.backend import BackendError
 

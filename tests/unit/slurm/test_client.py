@@ -10,7 +10,7 @@ from exaserve_hpc.slurm.backend import slurm_client
 from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches
 from exaserve_hpc.slurm.states import JobState, NodeState
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 
 
 class FakeRunner:

@@ -68,7 +68,7 @@ def test_config_error_goes_to_stderr_with_status_2(tmp_path, capsys):
 
 def test_topology_from_site_gpu_and_cpu(tmp_path):
     from pathlib import Path
-    sites = Path(__file__).resolve().parents[2] / "site-configs"
+    sites = Path(__file__).resolve().parents[3] / "site-configs"
     exa = topology_from_site(load_site(sites / "exa256-a100.yaml"))
     assert len(exa.nodes) == 256 and len(exa.groups) == 16 and exa.largest_domain == 8
     assert exa.latency_us("gpu001", "gpu001") == 0 < exa.latency_us("gpu001", "gpu002") < exa.latency_us("gpu001", "gpu017")

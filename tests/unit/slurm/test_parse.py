@@ -12,7 +12,7 @@ from exaserve_hpc.slurm.parse import (
 )
 from exaserve_hpc.slurm.states import JobState, NodeState, job_state, node_state
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 
 
 def sample(name: str) -> str:

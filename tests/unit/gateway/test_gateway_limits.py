@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import MODEL, make_site
+from tests.unit.gateway.conftest import MODEL, make_site
 
 LIMIT = 64 * 1024
 

@@ -98,7 +98,7 @@ def test_l2_page_note_counts_advise_and_deny_as_no_huge_pages_for_l2():
 def test_agent_l2_lives_under_the_site_configs_l2_path(tmp_path):
     from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
     from exaserve_hpc.config.schema import load_site
-    site = load_site(Path(__file__).parents[2] / "site-configs" / "local.yaml")
+    site = load_site(Path(__file__).parents[3] / "site-configs" / "local.yaml")
     site.weight_cache.l2_path = str(tmp_path)
     agent = NodeAgent("tcp://127.0.0.1:1", "n1", l2_capacity=1 << 20,
                       l2_root=str(default_l2_root("n1", site.weight_cache.l2_path)))

@@ -9,13 +9,13 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import MODEL, make_site
+from tests.unit.gateway.conftest import MODEL, make_site
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.quota.keys import hash_key
 from exaserve_hpc.quota.ledger import UsageLedger, read_usage, summarize
 from exaserve_hpc.gateway.backend import ModelInfo
 from exaserve_hpc.gateway.app import create_app
-from fake_backend import FakeBackend
+from tests.unit.gateway.fake_backend import FakeBackend
 
 CLIMATE, BIO = "exa-climate-key-0123456789abcdef", "exa-bio-key-0123456789abcdef01"
 
