@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from serve_harness import alive, start_serve, stop_serve
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -64,7 +65,7 @@ def test_a_killed_agent_is_restarted_and_serving_resumes_within_15s(tmp_path):
         clients = [threading.Thread(target=client) for _ in range(8)]
         for c in clients:
             c.start()
-        time.sleep(2.0)
+        wait_for(lambda: sum(code == 200 for _, code in results) >= 40, 60, "requests answered before the kill")
         killed_at = time.monotonic()
         os.kill(old_agent, signal.SIGKILL)
         deadline = killed_at + 30

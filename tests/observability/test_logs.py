@@ -20,6 +20,8 @@ from exaserve_hpc.observability.logs import REQUEST_ID, JsonLinesFormatter, LogF
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serve_harness import stop_serve, write_local_site  # noqa: E402
 
+from tests.waiting import wait_for  # noqa: E402
+
 
 def record(msg: str, **extra) -> logging.LogRecord:
     rec = logging.LogRecord("exaserve.router", logging.INFO, __file__, 1, msg, ("r1",) if "%s" in msg else (), None)
@@ -78,7 +80,7 @@ def test_serve_logs_json_lines_from_every_process_with_the_request_id(tmp_path):
         request = urllib.request.Request(f"{urls[0]}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
             rid = response.headers["X-Request-Id"]
-        time.sleep(0.5)
+        wait_for(lambda: any(rid in line for line in lines), 30, "the gateway's log line naming the request")
     finally:
         stop_serve(process, lines)
     logged = [json.loads(line) for line in lines if line.startswith("{")]

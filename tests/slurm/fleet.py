@@ -22,6 +22,8 @@ from typing import Optional
 import httpx
 import yaml
 
+from tests.waiting import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 SLURM_DIR = Path(os.environ.get("EXASERVE_SLURM_DIR", "/var/tmp/exaserve-slurm"))
@@ -258,6 +260,7 @@ class Outcome:
     finished: float
     ok: bool
     detail: str = ""
+    worker: int = 0
 
 
 @dataclass
@@ -286,7 +289,7 @@ class RequestStream:
                     detail = "" if ok else f"{response.status_code} {response.text[:200]}"
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     ok, detail = False, repr(exc)
-                self.outcomes.append(Outcome(started, time.time(), ok, detail))
+                self.outcomes.append(Outcome(started, time.time(), ok, detail, index))
                 self._stop.wait(self.interval)
 
     def start(self) -> "RequestStream":
@@ -303,6 +306,18 @@ class RequestStream:
     @property
     def sent(self) -> int:
         return len(self.outcomes)
+
+    def flowing(self, answered: int = 20, timeout: float = 60.0) -> "RequestStream":
+        """Wait until `answered` requests have been answered: the stream is under way (before a fault)."""
+        wait_for(lambda: self.sent >= answered, timeout, f"{answered} answered requests")
+        return self
+
+    def settle(self, timeout: float = 90.0) -> None:
+        """Wait until every request in flight now has finished: each worker has since sent another (its
+        requests go one after the other), so none that saw a fault is still open when the stream stops."""
+        since = time.time()
+        wait_for(lambda: {o.worker for o in list(self.outcomes) if o.started >= since} >= set(range(self.workers)),
+                 timeout, "every request in flight to finish")
 
     @property
     def failed(self) -> list[Outcome]:
@@ -324,8 +339,8 @@ class FailoverTimings:
                 f"requests sent {self.sent}, completed {self.completed}")
 
 
-def kill_and_watch(job: Job, node: str, replicas: int, stream: RequestStream, timeout: float = 90.0,
-                   settle: float = 3.0) -> tuple[FailoverTimings, dict]:
+def kill_and_watch(job: Job, node: str, replicas: int, stream: RequestStream,
+                   timeout: float = 90.0) -> tuple[FailoverTimings, dict]:
     """Kill `node` while `stream` runs; return the timings and the final status."""
     killed_at = time.time()
     cluster("kill-node", node)
@@ -342,7 +357,7 @@ def kill_and_watch(job: Job, node: str, replicas: int, stream: RequestStream, ti
             serving_at = time.time()
             break
         time.sleep(0.2)
-    time.sleep(settle)  # requests that were in flight at the move finish
+    stream.settle()  # requests that were in flight at the move finish
     stream.stop()
     timings = FailoverTimings(killed_at, detected_at, serving_at, stream.sent,
                               stream.sent - len(stream.failed))
@@ -377,7 +392,7 @@ class ReplacementTimings:
 
 
 def kill_and_watch_replacement(job: Job, node: str, planned: list[str], replicas: int, stream: RequestStream,
-                               timeout: float = 150.0, settle: float = 2.0) -> tuple[ReplacementTimings, dict]:
+                               timeout: float = 150.0) -> tuple[ReplacementTimings, dict]:
     """Kill `node` of a job started with --replace-lost-nodes while `stream` runs; watch it come back."""
     from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
     from exaserve_hpc.slurm.companion_jobs import companion_name
@@ -408,7 +423,7 @@ def kill_and_watch_replacement(job: Job, node: str, planned: list[str], replicas
         if t.joined_at and len(serving) >= replicas:
             t.restored_at = time.time()
         time.sleep(0.3)
-    time.sleep(settle)
+    stream.settle()
     stream.stop()
     t.sent, t.completed = stream.sent, stream.sent - len(stream.failed)
     return t, status

@@ -112,8 +112,7 @@ def test_control_plane_refuses_a_peer_without_the_job_keys(fleet_job: Job):
 
 def test_node_lost_under_load_is_detected_replaced_and_no_request_fails(fleet_job: Job):
     wait_serving(fleet_job, agents=4, replicas=REPLICAS)
-    stream = RequestStream(fleet_job.url(), workers=4, interval=0.05).start()
-    time.sleep(3)
+    stream = RequestStream(fleet_job.url(), workers=4, interval=0.05).start().flowing()
     timings, status = kill_and_watch(fleet_job, "n3", REPLICAS, stream)
     print(f"\nfailover on the local cluster: {timings.report()}")
     assert not node_processes("n3"), "kill-node left processes of n3 running"

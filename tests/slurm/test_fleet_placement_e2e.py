@@ -185,8 +185,7 @@ def test_a_lost_node_is_re_placed_keeping_the_spread_and_no_request_fails(fleet)
     before = placed(wait_serving(job, agents=4, replicas=REPLICAS))
     on_killed = {rid for rid, stages in before.items() if any(n == KILLED for n, _ in stages)}
     assert on_killed and not any(rid.startswith("pp") for rid in on_killed), before
-    stream = RequestStream(job.url(), workers=3, interval=0.1, models=("tp2", "frac")).start()
-    time.sleep(2)
+    stream = RequestStream(job.url(), workers=3, interval=0.1, models=("tp2", "frac")).start().flowing()
     timings, status = kill_and_watch(job, KILLED, REPLICAS, stream)
     print(f"\nfleet failover on the local cluster: {timings.report()}")
     assert timings.serving_at, f"replicas not serving again; status {json.dumps(status)[:3000]}"

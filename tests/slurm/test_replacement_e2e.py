@@ -32,8 +32,7 @@ def test_lost_node_is_replaced_by_a_companion_job_and_capacity_returns(slurm_clu
         wait_serving(job, agents=NODES, replicas=REPLICAS, timeout=150)
         nodes = json.loads((job.job_dir / "controller.json").read_text())["nodes"]
         victim = nodes[-1]  # never rank 0's node
-        stream = RequestStream(job.url(), workers=3, interval=0.05).start()
-        time.sleep(2)
+        stream = RequestStream(job.url(), workers=3, interval=0.05).start().flowing()
         timings, status = kill_and_watch_replacement(job, victim, nodes, REPLICAS, stream)
         print(f"\nreplacement on the local cluster: {timings.report()}")
         if not timings.restored_at:

@@ -50,8 +50,7 @@ def test_two_routers_on_two_nodes_and_losing_router_1s_node_fails_no_request(sha
                                                                    "max_tokens": 4})
                 assert response.status_code == 200, response.text
 
-        stream = RequestStream(job.url(), workers=4, interval=0.05).start()
-        time.sleep(3)
+        stream = RequestStream(job.url(), workers=4, interval=0.05).start().flowing()
         cluster("kill-node", lost_node)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -60,7 +59,7 @@ def test_two_routers_on_two_nodes_and_losing_router_1s_node_fails_no_request(sha
             if [r["state"] for r in status["router"]["routers"]] == ["serving", "lost"] and len(serving) == 2:
                 break
             time.sleep(0.3)
-        time.sleep(2)  # requests in flight at the move finish
+        stream.settle()  # requests in flight at the move finish
         stream.stop()
         assert [r["state"] for r in status["router"]["routers"]] == ["serving", "lost"], status["router"]
         assert stream.sent > 50 and not stream.failed, [o.detail for o in stream.failed][:5]
