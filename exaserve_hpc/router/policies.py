@@ -22,6 +22,7 @@ POLICIES: dict[str, str] = {
     "least_tokens": "exaserve_hpc.router.balancing:LeastTokens",
     "power_of_two": "exaserve_hpc.router.balancing:PowerOfTwo",
     "prefix_affinity": "exaserve_hpc.router.affinity:PrefixAffinity",
+    "random": "exaserve_hpc.router.random_choice:RandomChoice",
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
