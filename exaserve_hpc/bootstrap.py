@@ -1,7 +1,7 @@
 """Bootstrap of one Slurm job: who am I (role by rank), who else is there (inventories), where is
 the controller and how do we trust it (address + CURVE keys in the job directory).
 
-    rank = detect_rank()                  # MPI rank under mpirun (mpi4py), else the batch system's (jobenv/)
+    rank = detect_rank()                  # MPI rank under mpirun (mpi4py), else the batch system's (batch/)
     role = role_for(rank.rank)            # Role.CONTROLLER for rank 0, Role.AGENT otherwise
     jobdir = JobDir(path)                 # files mode 0600, written atomically
 
@@ -25,14 +25,14 @@ from typing import Any, Mapping, Optional
 
 from exaserve_hpc.agent.nvml_probe import host_memory, read_gpus
 from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.jobenv import detect_job_environment
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch import detect_job_environment
+from exaserve_hpc.batch.base import RankInfo
 
 log = logging.getLogger("exaserve.bootstrap")
 
 
 def detect_rank(env: Optional[Mapping[str, str]] = None, comm: Any = None) -> RankInfo:
-    """MPI rank under MPI; the batch system's (jobenv/: SLURM_PROCID/SLURM_NTASKS) in a job; 0 of 1 otherwise."""
+    """MPI rank under MPI; the batch system's (batch/: SLURM_PROCID/SLURM_NTASKS) in a job; 0 of 1 otherwise."""
     return detect_job_environment(env).rank_info(comm)
 
 

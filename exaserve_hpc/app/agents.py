@@ -17,7 +17,7 @@ from exaserve_hpc.agent.node_agent import NodeAgent, default_l2_root
 from exaserve_hpc.bootstrap import ControllerInfo
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, load_client_keys, secure_client
 
 

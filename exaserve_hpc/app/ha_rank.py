@@ -48,9 +48,9 @@ from exaserve_hpc.ha.fleet_store import FleetStateWriter, read_state
 from exaserve_hpc.ha.follow import LeaderFollower, current_controller, failed_start
 from exaserve_hpc.ha.lease_policy import LeaseTiming
 from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.jobenv import JobEnvironment
-from exaserve_hpc.jobenv.base import RankInfo
-from exaserve_hpc.quota.accounts import check_quota_accounts
+from exaserve_hpc.batch import JobEnvironment
+from exaserve_hpc.batch.base import RankInfo
+from exaserve_hpc.batch.slurm.accounts import check_quota_accounts
 from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys, curve_available, make_curve_keys
 
 log = logging.getLogger("exaserve.ha")

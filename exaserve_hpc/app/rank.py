@@ -6,7 +6,7 @@ Rank 0 builds the control plane (app/control_plane.py, the same as `exaserve ser
 gateway, and its own node's agent in a thread; every other rank runs its node's agent. The bootstrap
 (bootstrap.py) decides the role, exchanges inventories and publishes the controller's address and
 CURVE key in the job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
-Everything about the batch system (rank, job id, end time, requeue, more nodes) comes from jobenv/.
+Everything about the batch system (rank, job id, end time, requeue, more nodes) comes from batch/.
 
 Stopping: SIGTERM (scancel, preemption) and SIGUSR1 (Slurm's warning before the time limit) are a
 graceful stop on every rank: rank 0 writes the checkpoint, drains and stops; each agent stops its
@@ -36,9 +36,9 @@ from exaserve_hpc.bootstrap import (
 from exaserve_hpc.config.schema import SiteConfig, load_site, resolve_site
 from exaserve_hpc.engine.block_manager import install_block_hash_salt
 from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.jobenv import JobEnvironment, detect_job_environment
-from exaserve_hpc.jobenv.base import RankInfo, Role, _mpi_comm, role_for
-from exaserve_hpc.quota.accounts import check_quota_accounts
+from exaserve_hpc.batch import JobEnvironment, detect_job_environment
+from exaserve_hpc.batch.base import RankInfo, Role, _mpi_comm, role_for
+from exaserve_hpc.batch.slurm.accounts import check_quota_accounts
 from exaserve_hpc.quota.keys import key_file_problems
 from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, curve_available, make_curve_keys
 

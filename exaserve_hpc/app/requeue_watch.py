@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 from exaserve_hpc.config.schema import SiteConfig, resolve_site
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch import JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.scheduler.replacement_policy import replacement_decision
 from exaserve_hpc.scheduler.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
 

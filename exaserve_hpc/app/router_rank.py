@@ -51,7 +51,7 @@ from exaserve_hpc.gateway.http_limits import HttpLimits
 from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.gateway.server import gateway_server, listen_socket
 from exaserve_hpc.jobdir import BootstrapError, JobDir
-from exaserve_hpc.jobenv.base import RESUME_VARIABLE, RankInfo
+from exaserve_hpc.batch.base import RESUME_VARIABLE, RankInfo
 from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
 from exaserve_hpc.router.router_link import RouterControl
 from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, CurveKeys

@@ -37,7 +37,7 @@ from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 from exaserve_hpc.modulefiles import add_modules_arguments
 from exaserve_hpc.observability.logs import configure_logging
 from exaserve_hpc.observability.watch import watch
-from exaserve_hpc.quota.accounts import AccountError, check_accounts
+from exaserve_hpc.batch.slurm.accounts import AccountError, check_accounts
 from exaserve_hpc.quota.keys import key_file_problems, plaintext_warnings
 from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
 from exaserve_hpc.units import format_size

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
-from exaserve_hpc.slurm.backend import slurm_client
-from exaserve_hpc.slurm.client import SlurmError
-from exaserve_hpc.slurm.sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
+from exaserve_hpc.batch.slurm.backend import slurm_client
+from exaserve_hpc.batch.slurm.client import SlurmError
+from exaserve_hpc.batch.slurm.sbatch import SBATCH_OPTIONS, SbatchOptionError, options_from_site, render_sbatch
 from exaserve_hpc.units import parse_duration, parse_size
 
 

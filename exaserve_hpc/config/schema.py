@@ -198,7 +198,7 @@ class ClusterConfig(_Section):
     fault_group_size: Optional[int] = Field(None, ge=1)  # or: consecutive nodes per group
     time_limit: Optional[PositiveDuration] = None
     modules: list[str] = Field(default_factory=list)  # environment modules to load first
-    # What the batch job asks Slurm for on each node (`exaserve submit`, exaserve_hpc/slurm/sbatch.py).
+    # What the batch job asks Slurm for on each node (`exaserve submit`, exaserve_hpc/batch/slurm/sbatch.py).
     # The defaults suit GPU nodes: the fleet plans with every GPU, CPU and byte of host memory (L2 in
     # /dev/shm counts against the job's memory), so it takes whole nodes.
     exclusive: bool = True  # --exclusive: no other job shares the node

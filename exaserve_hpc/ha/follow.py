@@ -16,7 +16,7 @@ from typing import Optional
 
 from exaserve_hpc.bootstrap import ControllerInfo
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.transport import load_client_keys
 
 log = logging.getLogger("exaserve.ha")

@@ -1,7 +1,7 @@
 """How many replacement nodes to ask Slurm for: a pure policy for rank 0.
 
 Call protocol (every watch round, after requeue_decision said no; the job environment acts:
-jobenv/, e.g. a Slurm companion job from slurm/companion_jobs.py):
+batch/, e.g. a Slurm companion job from batch/slurm/companion_jobs.py):
 
     decision = replacement_decision(planned, live, lost, pending)
     if decision.nodes: submit a companion job of decision.nodes nodes, excluding decision.exclude

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.ha.etcd_member import EtcdMember, MemberSpec, member_command, remove_empty_parents
 from exaserve_hpc.ha.etcd_tls import TlsFiles
 from exaserve_hpc.app.ha_rank import member_data_dir, member_data_root

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.quota.accounts import AccountError, check_accounts
+from exaserve_hpc.batch.slurm.accounts import AccountError, check_accounts
 
 pytestmark = pytest.mark.slurm
 

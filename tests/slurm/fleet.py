@@ -192,7 +192,7 @@ class Job:
 
     def cancel_and_wait(self, timeout: float = 30.0) -> None:
         """scancel, then wait (at most `timeout`) until Slurm reports the job ended or forgets it."""
-        from exaserve_hpc.slurm.client import CliSlurmClient
+        from exaserve_hpc.batch.slurm.client import CliSlurmClient
         self.cancel()
         client = CliSlurmClient()
         deadline = time.monotonic() + timeout
@@ -394,8 +394,8 @@ class ReplacementTimings:
 def kill_and_watch_replacement(job: Job, node: str, planned: list[str], replicas: int, stream: RequestStream,
                                timeout: float = 150.0) -> tuple[ReplacementTimings, dict]:
     """Kill `node` of a job started with --replace-lost-nodes while `stream` runs; watch it come back."""
-    from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-    from exaserve_hpc.slurm.companion_jobs import companion_name
+    from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+    from exaserve_hpc.batch.slurm.companion_jobs import companion_name
 
     client = CliSlurmClient()
     t = ReplacementTimings(killed_at=time.time())

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
 
 from .fleet import CLUSTER, NODES, Job, echo_site, submit
 

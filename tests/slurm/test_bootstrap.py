@@ -18,7 +18,7 @@ import zmq
 
 from exaserve_hpc.jobdir import BootstrapError, JobDir
 from exaserve_hpc.bootstrap import ControllerInfo, NodeInventory, detect_rank, exchange_inventories, publish_controller, wait_for_controller
-from exaserve_hpc.jobenv.base import RankInfo, Role, role_for
+from exaserve_hpc.batch.base import RankInfo, Role, role_for
 from exaserve_hpc.transport import load_client_keys, make_curve_keys, secure_client, secure_server
 
 

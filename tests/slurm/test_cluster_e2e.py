@@ -14,8 +14,8 @@ import openai
 import pytest
 import yaml
 
-from exaserve_hpc.slurm.client import CliSlurmClient
-from exaserve_hpc.slurm.states import JobState, NodeState
+from exaserve_hpc.batch.slurm.client import CliSlurmClient
+from exaserve_hpc.batch.slurm.states import JobState, NodeState
 
 from .fleet import (Job, RequestStream, check_devices, cluster, echo_site, kill_and_watch, node_processes,
                     remove_shared_dir, shared_dir, submit, wait_serving)

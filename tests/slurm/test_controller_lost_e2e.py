@@ -16,8 +16,8 @@ import yaml
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.app.controller_lost import CLAIM_FILE
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.states import JobState
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.states import JobState
 
 from .fleet import Job, cluster, echo_site, submit, wait_job, wait_serving
 

@@ -21,7 +21,7 @@ import yaml
 from exaserve_hpc.ha.etcd_client import EtcdClient
 from exaserve_hpc.ha.etcd_member import MemberSpec
 from exaserve_hpc.ha.etcd_tls import TlsFiles
-from exaserve_hpc.slurm.client import CliSlurmClient
+from exaserve_hpc.batch.slurm.client import CliSlurmClient
 from tests.ha.conftest import fleet_state_names, logged_at
 from tests.waiting import wait_for
 

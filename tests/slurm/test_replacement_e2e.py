@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.companion_jobs import companion_name
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.companion_jobs import companion_name
 
 from .fleet import (RequestStream, cluster, kill_and_watch_replacement, remove_shared_dir, replacement_site,
                     shared_dir, submit, wait_serving)

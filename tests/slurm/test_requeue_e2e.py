@@ -4,7 +4,7 @@ be excluded, submits a successor job (the same batch script, --exclude=LOST, --d
 this job, EXASERVE_RESUME_DIR naming this job's directory) and stops by itself, every surviving rank
 exiting 0; the successor starts, restores that state and serves without the dead node. Slurm refuses
 an exclusion on a requeued job from inside it, and a shell left behind to set it dies with the job's
-cgroup, hence the successor (exaserve_hpc/jobenv/slurm.py). Marked slurm: under CI=true it must run."""
+cgroup, hence the successor (exaserve_hpc/batch/slurm/job.py). Marked slurm: under CI=true it must run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import time
 import pytest
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, load_state
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.states import JobState
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.states import JobState
 
 from .fleet import Job, cluster, echo_site, submit, task_exits, wait_job, wait_serving
 

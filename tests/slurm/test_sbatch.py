@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from exaserve_hpc.config.schema import load_site
-from exaserve_hpc.slurm.sbatch import SbatchOptionError, options_from_site, render_sbatch, slurm_duration
+from exaserve_hpc.batch.slurm.sbatch import SbatchOptionError, options_from_site, render_sbatch, slurm_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "exaserve-gpu.sbatch"

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, load_state
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
 
 from .fleet import ROOT, Job, epilog_lines, shm_files, submit, task_exits, wait_serving
 

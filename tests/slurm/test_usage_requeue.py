@@ -19,8 +19,8 @@ import yaml
 
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, load_state
 from exaserve_hpc.quota.keys import hash_key
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.states import JobState
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.states import JobState
 
 from .fleet import Job, echo_site, submit, wait_job, wait_serving
 

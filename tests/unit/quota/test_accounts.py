@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.quota.accounts import AccountError, account_problems, check_accounts, parse_column
+from exaserve_hpc.batch.slurm.accounts import AccountError, account_problems, check_accounts, parse_column
 
 SITE = parse_site({"site": "s", "models": [{"model_name": "m"}],
                    "quota_groups": [{"name": "climate", "account": "clim001"}, {"name": "bio", "account": "bio002"},
@@ -48,7 +48,7 @@ def test_the_real_sacctmgr_without_accounting_is_a_clear_refusal_naming_the_acco
 
 
 def test_rank_0_refuses_a_group_whose_account_is_not_the_users_and_only_warns_without_accounting(caplog):
-    from exaserve_hpc.quota.accounts import AccountingUnavailable, check_quota_accounts
+    from exaserve_hpc.batch.slurm.accounts import AccountingUnavailable, check_quota_accounts
 
     def known(args):
         return "clim001|\nbio002|\n" if args[1] == "account" else "clim001|alice\n"

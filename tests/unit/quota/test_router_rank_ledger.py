@@ -9,7 +9,7 @@ import time
 import pytest
 
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.app.router_rank import gateway_app

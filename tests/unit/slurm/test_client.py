@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.slurm.backend import slurm_client
-from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches
-from exaserve_hpc.slurm.states import JobState, NodeState
+from exaserve_hpc.batch.slurm.backend import slurm_client
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, CommandResult, SlurmCommandError, SlurmError, pyslurm_matches
+from exaserve_hpc.batch.slurm.states import JobState, NodeState
 
 SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 

@@ -9,14 +9,14 @@ import json
 from pathlib import Path
 
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.jobenv.base import RankInfo
+from exaserve_hpc.batch.base import RankInfo
 from exaserve_hpc.controller_state import CHECKPOINT_FILE
-from exaserve_hpc.jobenv import JobEnvError, JobEnvironment, RequeueOutcome, SlurmJobEnvironment
+from exaserve_hpc.batch import JobEnvError, JobEnvironment, RequeueOutcome, SlurmJobEnvironment
 from exaserve_hpc.app.controller_lost import (
     CLAIM_FILE, ENDED_FILE, after_controller_lost, end_if_batch_host_lost,
 )
 from exaserve_hpc.scheduler.requeue_policy import controller_lost_decision
-from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, CommandResult
 
 from tests.unit.slurm.test_jobenv import Runner  # a recording runner answering by command prefix
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.jobenv import (
+from exaserve_hpc.batch import (
     JobEnvError, LocalJobEnvironment, RESUME_VARIABLE, SlurmJobEnvironment, detect_job_environment,
 )
-from exaserve_hpc.jobenv.slurm import end_time_from_scontrol, end_time_from_squeue_json, successor_script
-from exaserve_hpc.slurm.client import CliSlurmClient, CommandResult
-from exaserve_hpc.slurm.parse import parse_scontrol_show
+from exaserve_hpc.batch.slurm.job import end_time_from_scontrol, end_time_from_squeue_json, successor_script
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, CommandResult
+from exaserve_hpc.batch.slurm.parse import parse_scontrol_show
 
 SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 

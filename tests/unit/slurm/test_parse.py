@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from exaserve_hpc.slurm.parse import (
+from exaserve_hpc.batch.slurm.parse import (
     SlurmParseError, job_from_scontrol, node_from_scontrol, parse_sbatch_parsable, parse_scontrol_show,
     parse_sinfo_json, parse_squeue_json,
 )
-from exaserve_hpc.slurm.states import JobState, NodeState, job_state, node_state
+from exaserve_hpc.batch.slurm.states import JobState, NodeState, job_state, node_state
 
 SAMPLES = Path(__file__).resolve().parents[2] / "slurm" / "samples"
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from exaserve_hpc.config.schema import load_site, resolve_site
-from exaserve_hpc.jobenv import SlurmJobEnvironment
+from exaserve_hpc.batch import SlurmJobEnvironment
 from exaserve_hpc.app.requeue_watch import RequeueWatch
 from exaserve_hpc.scheduler.replacement_policy import replacement_decision
 from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy
-from exaserve_hpc.slurm.companion_jobs import CompanionJobs, render_companion
-from exaserve_hpc.slurm.parse import JobInfo
-from exaserve_hpc.slurm.sbatch import options_from_site
-from exaserve_hpc.slurm.states import JobState
+from exaserve_hpc.batch.slurm.companion_jobs import CompanionJobs, render_companion
+from exaserve_hpc.batch.slurm.parse import JobInfo
+from exaserve_hpc.batch.slurm.sbatch import options_from_site
+from exaserve_hpc.batch.slurm.states import JobState
 from exaserve_hpc.app.state_keeper import StateKeeper
 
 
@@ -33,7 +33,7 @@ def site_options(tmp_path: Path, name: str = "small16-a100") -> dict:
 
 def test_companion_script_is_the_main_jobs_script_for_joining_nodes(tmp_path):
     options = site_options(tmp_path)
-    main = [line for line in __import__("exaserve_hpc.slurm.sbatch", fromlist=["x"]).render_sbatch(
+    main = [line for line in __import__("exaserve_hpc.batch.slurm.sbatch", fromlist=["x"]).render_sbatch(
         **options).splitlines() if line.startswith("#SBATCH")]
     text = render_companion("42", tmp_path / "42", options, 2, ["n3", "n4"], 900, "exaserve launch")
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]

@@ -7,7 +7,7 @@ Unknown keywords raise SbatchOptionError listing every valid one with its
 default. `options_from_site(site)` gives the keywords a site config implies;
 companion (replacement) jobs are rendered by the same function from the same
 options, with their own name, node count, exclusions and the main job's
-remaining time (slurm/companion_jobs.py).
+remaining time (batch/slurm/companion_jobs.py).
 
 The job asks for what the fleet uses on each node: its GPUs (--gpus-per-node,
 which srun passes on to the step so Slurm sets CUDA_VISIBLE_DEVICES), whole

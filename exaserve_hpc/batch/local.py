@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from exaserve_hpc.jobenv.base import JobEnvironment
+from exaserve_hpc.batch.base import JobEnvironment
 
 
 class LocalJobEnvironment(JobEnvironment):

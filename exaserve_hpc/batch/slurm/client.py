@@ -4,7 +4,7 @@
     job_id = client.submit(Path("job.sbatch"), ["--nodes=4"])
     client.job(job_id).state         # JobState.RUNNING
     client.nodes()                   # [NodeInfo(name="n1", state=NodeState.IDLE, ...)]
-    client.requeue(job_id)          # back to the queue (jobenv/slurm.py decides how to exclude nodes)
+    client.requeue(job_id)          # back to the queue (batch/slurm/job.py decides how to exclude nodes)
 
 `SlurmClient` is the interface; `CliSlurmClient` runs sbatch/squeue/sinfo/
 scontrol/scancel through a replaceable `runner` (unit tests pass a fake one)
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from exaserve_hpc.config.hostlist import compress_hostlist
-from exaserve_hpc.slurm.parse import (
+from exaserve_hpc.batch.slurm.parse import (
     JobInfo, NodeInfo, job_from_scontrol, node_from_scontrol, parse_sbatch_parsable, parse_scontrol_show,
     parse_sinfo_json, parse_squeue_json,
 )
@@ -99,7 +99,7 @@ class SlurmClient(abc.ABC):
         """Put a batch job back in the queue (ending every process of its current run, the caller's too).
 
         Slurm holds a requeued job for about two minutes (BeginTime) before it may start again. Nodes
-        to avoid next time cannot be set from inside the job (jobenv/slurm.py: a successor job)."""
+        to avoid next time cannot be set from inside the job (batch/slurm/job.py: a successor job)."""
 
     def job_record(self, job_id: int) -> dict[str, str]:
         """`scontrol show job -o` as Key -> Value (EndTime, Command, ...)."""

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from exaserve_hpc.config.hostlist import compress_hostlist, expand_hostlist
-from exaserve_hpc.jobenv.base import RESUME_VARIABLE, JobEnvError, JobEnvironment, RequeueOutcome
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmError
-from exaserve_hpc.slurm.companion_jobs import CompanionJobs
-from exaserve_hpc.slurm.sbatch import options_from_site
-from exaserve_hpc.slurm.states import NodeState
+from exaserve_hpc.batch.base import RESUME_VARIABLE, JobEnvError, JobEnvironment, RequeueOutcome
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.companion_jobs import CompanionJobs
+from exaserve_hpc.batch.slurm.sbatch import options_from_site
+from exaserve_hpc.batch.slurm.states import NodeState
 
 log = logging.getLogger("exaserve.jobenv")
 

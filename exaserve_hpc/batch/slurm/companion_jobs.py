@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from exaserve_hpc.slurm.client import SlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.client import SlurmClient, SlurmError
 from exaserve_hpc.config.hostlist import compress_hostlist, expand_hostlist
-from exaserve_hpc.slurm.sbatch import default_launcher, render_sbatch
+from exaserve_hpc.batch.slurm.sbatch import default_launcher, render_sbatch
 
 log = logging.getLogger("exaserve.replacement")
 
@@ -35,7 +35,7 @@ def companion_name(job_id: str) -> str:
 
 def render_companion(job_id: str, job_dir: Path, options: dict[str, Any], nodes: int, exclude: Sequence[str] = (),
                      time_limit: Optional[float] = None, launcher: Optional[str] = None) -> str:
-    """The main job's script (slurm/sbatch.py, from the same site options) for `nodes` joining nodes."""
+    """The main job's script (batch/slurm/sbatch.py, from the same site options) for `nodes` joining nodes."""
     excluded = sorted(set(exclude) | set(expand_hostlist(options["exclude"]) if options.get("exclude") else ()))
     o = {**options, "job_name": companion_name(job_id), "nodes": nodes, "job_root": str(Path(job_dir).parent),
          "launcher": f"{launcher or default_launcher()} --join-job-dir {shlex.quote(str(job_dir))}",

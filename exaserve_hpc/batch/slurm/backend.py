@@ -10,11 +10,11 @@ import shutil
 import logging
 from typing import Optional
 
-from exaserve_hpc.slurm.client import (CliSlurmClient, Runner, SlurmClient, SlurmError, pyslurm_matches,
+from exaserve_hpc.batch.slurm.client import (CliSlurmClient, Runner, SlurmClient, SlurmError, pyslurm_matches,
                                        run_command)
 
 try:  # pyslurm is optional (the [pyslurm] extra); its absence is an answer, not an error
-    from exaserve_hpc.slurm.pyslurm_backend import PyslurmClient, pyslurm_version
+    from exaserve_hpc.batch.slurm.pyslurm_backend import PyslurmClient, pyslurm_version
     PYSLURM_MISSING = ""
 except ImportError as exc:
     PYSLURM_MISSING = str(exc)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from exaserve_hpc.jobenv.base import JobEnvError, JobEnvironment, RequeueOutcome, RESUME_VARIABLE
-from exaserve_hpc.jobenv.local import LocalJobEnvironment
-from exaserve_hpc.jobenv.slurm import SlurmJobEnvironment
+from exaserve_hpc.batch.base import JobEnvError, JobEnvironment, RequeueOutcome, RESUME_VARIABLE
+from exaserve_hpc.batch.local import LocalJobEnvironment
+from exaserve_hpc.batch.slurm.job import SlurmJobEnvironment
 
 # First match wins; the local environment matches everything.
 ENVIRONMENTS: tuple[type[JobEnvironment], ...] = (SlurmJobEnvironment, LocalJobEnvironment)

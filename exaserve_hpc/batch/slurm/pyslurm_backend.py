@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import pyslurm  # noqa: F401  (ImportError here is how the factory learns pyslurm is unusable)
 
-from exaserve_hpc.slurm.client import CliSlurmClient, SlurmClient, SlurmError
-from exaserve_hpc.slurm.parse import JobInfo, NodeInfo
-from exaserve_hpc.slurm.states import job_state, node_state
+from exaserve_hpc.batch.slurm.client import CliSlurmClient, SlurmClient, SlurmError
+from exaserve_hpc.batch.slurm.parse import JobInfo, NodeInfo
+from exaserve_hpc.batch.slurm.states import job_state, node_state
 
 
 def pyslurm_version() -> str:

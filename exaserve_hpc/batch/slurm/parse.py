@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from exaserve_hpc.config.hostlist import expand_hostlist
-from exaserve_hpc.slurm.states import JobState, NodeState, job_state, node_state
+from exaserve_hpc.batch.slurm.states import JobState, NodeState, job_state, node_state
 
 
 class SlurmParseError(ValueError):
