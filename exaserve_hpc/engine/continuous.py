@@ -31,7 +31,7 @@ from exaserve_hpc.engine.block_manager import BlockManager
 from exaserve_hpc.engine.kv_publisher import KVEventPublisher
 from exaserve_hpc.engine.latency_stats import LatencyStats
 from exaserve_hpc.engine.sampling import request_rng
-from exaserve_hpc.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Sequence
+from exaserve_hpc.engine.batching import ScheduledBatch, Scheduler, StepLimits, Sequence
 
 
 class ContinuousBatchingEngine:
@@ -57,7 +57,7 @@ class ContinuousBatchingEngine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.decode_batch_size = decode_batch_size
-        config = SchedulerConfig(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+        config = StepLimits(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                                  prefill_batch_size=prefill_batch_size,
                                  chunked_prefill=chunked_prefill,
                                  prefill_chunk_tokens=prefill_chunk_tokens)

@@ -42,7 +42,7 @@ from exaserve_hpc.engine.kv_cache import PagedKVCache
 from exaserve_hpc.engine.latency_stats import LatencyStats
 from exaserve_hpc.engine.model import LayerWeights, LlamaModel
 from exaserve_hpc.engine.reference import WARMUP_TOKENS, ReferenceEngine, warmup_prompt
-from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
+from exaserve_hpc.engine.batching import ScheduledBatch, Sequence
 from exaserve_hpc.engine.stage_transports import MpiStageLink
 
 MPI_HINT = "pip install 'exaserve-hpc[mpi]' (and an MPI library, e.g. apt-get install openmpi-bin libopenmpi-dev)"

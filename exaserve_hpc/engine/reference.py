@@ -30,7 +30,7 @@ from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
 from exaserve_hpc.engine.kv_cache import DecodeBatchKV, PagedKVCache, kv_dtype
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.sampling import sample
-from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
+from exaserve_hpc.engine.batching import ScheduledBatch, Sequence
 from exaserve_hpc.engine.tokenizer import ByteTokenizer
 
 WARMUP_PROMPT = "exaserve warm-up"

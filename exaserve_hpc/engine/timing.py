@@ -21,7 +21,7 @@ to a real engine).
 Steps are scheduled as vLLM does with chunked prefill: at most
 ``max_num_batched_tokens`` tokens a step (default 8192, vLLM's for a large
 GPU; None for no budget), decodes first, then prefill chunks in arrival
-order from what is left (``engine/scheduler.py``).
+order from what is left (``engine/batching.py``).
 
 Virtual time: the clock is injectable. ``step()`` starts a batch and returns
 []; a later ``step()`` at or after ``next_event_time()`` completes it
@@ -41,7 +41,7 @@ import numpy as np
 from exaserve_hpc.engine.base import StepOutput
 from exaserve_hpc.engine.continuous import ContinuousBatchingEngine
 from exaserve_hpc.engine.gpu_specs import GPU_SPECS, roofline
-from exaserve_hpc.engine.scheduler import ScheduledBatch, Sequence
+from exaserve_hpc.engine.batching import ScheduledBatch, Sequence
 from exaserve_hpc.engine.tokenizer import VOCAB_SIZE
 
 FILLER = b"exaserve timing model output. "

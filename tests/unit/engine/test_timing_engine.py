@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.base import Engine, EngineRequest
 from exaserve_hpc.engine.reference import ReferenceEngine
-from exaserve_hpc.engine.scheduler import SchedulerConfig
+from exaserve_hpc.engine.batching import StepLimits
 from exaserve_hpc.engine.timing import (DEFAULT_MAX_NUM_BATCHED_TOKENS, GPU_TIMINGS, GpuTimings, StepSample,
                                         TimingEngine, fit_timings)
 
@@ -215,11 +215,11 @@ def test_token_budget_decodes_first_then_prefill_chunks_in_arrival_order():
     assert all(sum(n for _, n in p) + len(d) <= 1024 for p, d in steps)
     assert sched.config.max_num_batched_tokens == 1024
     with pytest.raises(ValueError, match="max_num_batched_tokens must be None or an integer >= max_batch_size"):
-        SchedulerConfig(max_batch_size=8, max_num_batched_tokens=4)
+        StepLimits(max_batch_size=8, max_num_batched_tokens=4)
 
 
 def test_reference_engine_has_no_token_budget_by_default():
-    assert SchedulerConfig().max_num_batched_tokens is None
+    assert StepLimits().max_num_batched_tokens is None
     assert TimingEngine(gpu_kind="h200").scheduler.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert TimingEngine(gpu_kind="h200", max_num_batched_tokens=None).scheduler.config.max_num_batched_tokens is None
 

@@ -99,7 +99,7 @@ class ScheduledBatch:
 
 
 @dataclass
-class SchedulerConfig:
+class StepLimits:
     max_batch_size: int = 32
     max_wait_ms: float = 50.0
     prefill_batch_size: int = 8
@@ -124,7 +124,7 @@ class SchedulerConfig:
 class Scheduler:
     """Waiting queue, running list and the block manager; see the module docstring."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: StepLimits, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
