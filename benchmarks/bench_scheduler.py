@@ -23,11 +23,11 @@ import yaml  # noqa: E402
 from exaserve_hpc.config.schema import load_site, parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, StartReplica  # noqa: E402
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.scheduler.autoscale import AutoscalePolicy, ModelLoad, ScalingHistory, autoscale  # noqa: E402
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site  # noqa: E402
-from exaserve_hpc.scheduler.controller_core import ControllerCore  # noqa: E402
-from exaserve_hpc.scheduler.failover import failover, failover_fault_group  # noqa: E402
-from exaserve_hpc.scheduler.placement import plan_site  # noqa: E402
+from exaserve_hpc.controller.autoscale import AutoscalePolicy, ModelLoad, ScalingHistory, autoscale  # noqa: E402
+from exaserve_hpc.controller.catalogue import catalogue_from_site  # noqa: E402
+from exaserve_hpc.controller.controller_core import ControllerCore  # noqa: E402
+from exaserve_hpc.controller.failover import failover, failover_fault_group  # noqa: E402
+from exaserve_hpc.controller.placement import plan_site  # noqa: E402
 from exaserve_hpc.topology import topology_from_site  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ and counted against the peer (the ZeroMQ identity) that sent it. The first bad m
 peer is logged; past `limit` bad messages within `window` seconds the peer is refused for `refuse_for`
 seconds (its messages are dropped unread), so a broken or hostile peer costs the service a counter and
 one log line, never its thread or its disk. What the controller checks beyond decoding:
-scheduler/message_checks.py.
+controller/message_checks.py.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Node:
     devices: tuple[Device, ...]
     nvlink_domains: tuple[tuple[int, ...], ...]  # device indices; a TP group stays inside one
     host_memory: int
-    # replicas its cores can run (CPU nodes serving a CPU engine: scheduler/cpu_bound.py); 0: no such bound
+    # replicas its cores can run (CPU nodes serving a CPU engine: controller/cpu_bound.py); 0: no such bound
     cpu_slots: int = 0
 
     @property

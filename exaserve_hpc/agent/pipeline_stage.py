@@ -1,7 +1,7 @@
 """A pipeline stage's process: the stage mode of ``replica_main`` (spec.stage is set).
 
 A pipeline-parallel replica is one process per stage, each started by its node's agent from its
-own StartReplica (``scheduler/pipeline.py``). Every stage loads the checkpoint and keeps only its
+own StartReplica (``controller/pipeline.py``). Every stage loads the checkpoint and keeps only its
 layers (``engine/pipeline_stages.stage_checkpoint``), binds its link (``engine/stage_link.py``),
 and finds the others through the controller (StageHello until the StageTable is complete).
 

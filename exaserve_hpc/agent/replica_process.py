@@ -96,7 +96,7 @@ def replica_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def replica_threads(env: Optional[Mapping[str, str]] = None) -> int:
     """Compute threads a replica runs: its BLAS threads as replica_env sets them (1 unless the operator chose
-    otherwise); the controller bounds CPU replicas per node by it (scheduler/cpu_bound.py)."""
+    otherwise); the controller bounds CPU replicas per node by it (controller/cpu_bound.py)."""
     env = os.environ if env is None else env
     best = 1
     for name in BLAS_THREAD_VARIABLES:

@@ -121,7 +121,7 @@ class AgentSupervisor:
         self.stop().kill()
 
     def check(self, node: str) -> Optional[bool]:
-        """The controller's direct liveness check (scheduler/liveness.py) for `node`: True while this node's
+        """The controller's direct liveness check (controller/liveness.py) for `node`: True while this node's
         agent process runs (however late its heartbeats are), False once it is gone (until its replacement
         starts), None for another node or a process that cannot be judged (stopped by a signal)."""
         if node != self.node:

@@ -32,7 +32,7 @@ from exaserve_hpc.controller_state import CHECKPOINT_FILE
 from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.batch import JobEnvError, JobEnvironment
 from exaserve_hpc.batch.base import RankInfo
-from exaserve_hpc.scheduler.requeue_policy import ControllerLostDecision, controller_lost_decision
+from exaserve_hpc.controller.requeue_policy import ControllerLostDecision, controller_lost_decision
 
 log = logging.getLogger("exaserve.requeue")
 

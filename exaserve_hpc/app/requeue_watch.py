@@ -26,8 +26,8 @@ from exaserve_hpc.config.schema import SiteConfig, resolve_site
 from exaserve_hpc.jobdir import JobDir
 from exaserve_hpc.batch import JobEnvError, JobEnvironment, RequeueOutcome
 from exaserve_hpc.batch.base import RankInfo
-from exaserve_hpc.scheduler.replacement_policy import replacement_decision
-from exaserve_hpc.scheduler.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
+from exaserve_hpc.controller.replacement_policy import replacement_decision
+from exaserve_hpc.controller.requeue_policy import RequeueDecision, RequeuePolicy, RequeueSnapshot, requeue_decision
 
 log = logging.getLogger("exaserve.requeue")
 
@@ -181,7 +181,7 @@ def requeue_policy(site: SiteConfig, args: argparse.Namespace):
 
 def start_requeue_watch(plane, site: SiteConfig, job: JobEnvironment, rank: RankInfo, jobdir: JobDir,
                         nodes: list[str], args: argparse.Namespace):
-    """Watch for a requeue trigger (scheduler/requeue_policy.py) when the job environment can requeue,
+    """Watch for a requeue trigger (controller/requeue_policy.py) when the job environment can requeue,
     and in any case for the batch script's stop-requested file."""
     requeue = not args.no_requeue and site.requeue.enabled and job.can_requeue
     replace = requeue and (site.requeue.replace_lost_nodes if args.replace_lost_nodes is None

@@ -100,7 +100,7 @@ def serve(site: SiteConfig, options: ServeOptions) -> int:
 
 
 def placed_count(controller) -> int:
-    """Replicas the controller has placed on a node (the others wait for room: scheduler/cpu_bound.py)."""
+    """Replicas the controller has placed on a node (the others wait for room: controller/cpu_bound.py)."""
     with controller.fleet.lock:
         return sum(r.assignment is not None for r in controller.replicas.values())
 

@@ -39,7 +39,7 @@ from exaserve_hpc.observability.logs import configure_logging
 from exaserve_hpc.observability.watch import watch
 from exaserve_hpc.batch.slurm.accounts import AccountError, check_accounts
 from exaserve_hpc.quota.keys import key_file_problems, plaintext_warnings
-from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
+from exaserve_hpc.controller.plan_report import add_plan_arguments, cmd_plan
 from exaserve_hpc.units import format_size
 
 # ---------------------------------------------------------------- serve

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.scheduler.capacity import HEADROOM
+from exaserve_hpc.controller.capacity import HEADROOM
 from exaserve_hpc.sim.capacity_check import plan, sized_site
 from exaserve_hpc.sim.report import write_report
 from exaserve_hpc.sim.routers import CHUNK_COST_S, PICKS, ROUTER_COST_S, STATS_COST_S

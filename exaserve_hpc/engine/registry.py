@@ -54,7 +54,7 @@ class EngineSpec:
     ignored_batching: tuple[str, ...] = ()
     package: str = ""        # the third-party module it imports; "" = only exaserve's own dependencies
     # computes on the node's CPU cores (each replica keeps a core busy): replicas per node are bounded by
-    # the node's cores (scheduler/cpu_bound.py)
+    # the node's cores (controller/cpu_bound.py)
     cpu_compute: bool = False
     install: str = ""        # how to get that package
     summary: str = ""

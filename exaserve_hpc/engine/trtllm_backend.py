@@ -61,7 +61,7 @@ turning the cumulative ``outputs[0].token_ids`` into deltas on a queue; ``step()
 (it calls the executor's ``abort_request``; the stream then ends "cancelled"), so every submission and
 cancellation reaches TensorRT-LLM's request queue from one thread.
 
-Memory: placement reserves ``StartReplica.memory_bytes`` per device for a replica (scheduler/catalogue.py:
+Memory: placement reserves ``StartReplica.memory_bytes`` per device for a replica (controller/catalogue.py:
 gpu_memory_utilization x the GPU's memory); the agent reserves that (rounded up to its pool's blocks) and
 says so in $EXASERVE_RESERVED_BYTES_PER_DEVICE (registry.reserved_bytes_per_device). Without a controller
 figure (memory_bytes 0: tools, tests) there is no reservation to size by and gpu_memory_utilization stays

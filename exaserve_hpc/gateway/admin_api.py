@@ -12,7 +12,7 @@ router thread through ``apply`` (`ZmqRouter.call` in production), so the
 dispatcher is never touched by two threads. Right after a change, on that
 thread (so in table order), ``on_change`` tells the fleet: the controller's
 `RolloutFleet` starts the canary's replicas, replaces the old version's on
-promote and drains the canary's on rollback (scheduler/rollout_control.py).
+promote and drains the canary's on rollback (controller/rollout_control.py).
 The table changes first, so a replica never gets traffic its table entry
 does not allow.
 
@@ -56,7 +56,7 @@ from fastapi import APIRouter, Header, HTTPException
 from pydantic import BaseModel, Field
 
 from exaserve_hpc.router.canary import Rollout, RolloutError, RolloutTable, check_version
-from exaserve_hpc.scheduler.rollout_control import version_dir
+from exaserve_hpc.controller.rollout_control import version_dir
 
 ROUTE = "/v1/exaserve/rollouts"
 ADMIN_KEY_FILE = "admin.key"

@@ -70,7 +70,7 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
             pending_by_model[model] = pending_by_model.get(model, 0) + n
         for reason, n in other.get("routing", {}).items():
             routing[reason] = routing.get(reason, 0) + n
-        if other.get("replica_silent_s"):  # heard by any router counts (scheduler/liveness.py): the least
+        if other.get("replica_silent_s"):  # heard by any router counts (controller/liveness.py): the least
             silent = merged["replica_silent_s"] = dict(merged.get("replica_silent_s") or {})
             for rid, age in other["replica_silent_s"].items():
                 silent[rid] = min(age, silent.get(rid, age))

@@ -247,7 +247,7 @@ class ZmqRouter:
         snapshot.update(chunks_from_replicas=self.chunks_in, chunk_frames_from_replicas=self.chunk_frames_in,
                         chunks_to_gateways=self.chunks_out, chunk_frames_to_gateways=self.chunk_frames_out)
         # Seconds since each replica last spoke (any message): the controller counts them as its node's life
-        # (scheduler/liveness.py), so a node whose agent is starved but whose replicas stream is not lost.
+        # (controller/liveness.py), so a node whose agent is starved but whose replicas stream is not lost.
         now = self.clock()
         snapshot["replica_silent_s"] = {rid: round(now - e.last_seen, 3) for rid, e in self.dispatcher.replicas.items()}
         with self._snapshot_lock:

@@ -1,4 +1,4 @@
-"""`exaserve capacity`: a workload's peak rate and request mix -> replicas per model (scheduler/capacity.py,
+"""`exaserve capacity`: a workload's peak rate and request mix -> replicas per model (controller/capacity.py,
 30% headroom), then (--check) the simulator runs the workload on the site with exactly those replicas,
 fixed, and says whether the answer holds the workload's SLO.
 """
@@ -10,8 +10,8 @@ from typing import Optional
 
 
 from exaserve_hpc.config.schema import SiteConfig, parse_site
-from exaserve_hpc.scheduler.capacity import HEADROOM, RequestMix, replicas_for_mix
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.controller.capacity import HEADROOM, RequestMix, replicas_for_mix
+from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.sim.workload import Workload, arrivals
 
 WINDOW = 60.0  # seconds over which the peak rate is taken

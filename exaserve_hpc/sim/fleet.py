@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from exaserve_hpc.engine.timing import GpuTimings
 from exaserve_hpc.protocol import ReplicaBye, ReplicaEvent, ReplicaHello
-from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.controller.catalogue import ModelSpec
 from exaserve_hpc.sim.replica import SimReplica
 
 REFERENCE_WEIGHT_BYTES = 16e9  # GpuTimings are for an 8B-parameter fp16 model on one GPU (engine/timing.py)

@@ -36,9 +36,9 @@ from exaserve_hpc.protocol import (
 )
 from exaserve_hpc.router.dispatch import GATEWAY
 from exaserve_hpc.router.dispatch_state import request_id_of
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.controller_core import ControllerCore
-from exaserve_hpc.scheduler.requeue_policy import RequeueSnapshot, requeue_decision
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.requeue_policy import RequeueSnapshot, requeue_decision
 from exaserve_hpc.sim.fleet import SimAgent
 from exaserve_hpc.sim.metrics import Recorder
 from exaserve_hpc.sim.replica import SharedGpus, SimSeq

@@ -34,8 +34,8 @@ from exaserve_hpc.protocol import (
 from exaserve_hpc.router.balancing import RoundRobin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
-from exaserve_hpc.scheduler.controller import Controller
-from exaserve_hpc.scheduler.pipeline import PipelineStages
+from exaserve_hpc.controller.controller import Controller
+from exaserve_hpc.controller.pipeline import PipelineStages
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process

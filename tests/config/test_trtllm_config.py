@@ -75,7 +75,7 @@ def test_shipped_gpu_sites_pass_config_check_and_their_trtllm_replicas_would_sta
                         chunked_prefill=s.chunked_prefill, prefill_chunk_tokens=s.prefill_chunk_tokens,
                         kv_max_tokens=s.max_seq_len, kv_events=True, **s.options)
         TorchLlmArgs(**{**args, "kv_cache_config": KvCacheConfig(**args["kv_cache_config"])})
-        # placement reserves gpu_memory_utilization of each GPU (scheduler/catalogue.py); the engine's KV pool
+        # placement reserves gpu_memory_utilization of each GPU (controller/catalogue.py); the engine's KV pool
         # (trtllm_backend.kv_token_budget) must hold at least one max_seq_len sequence in what is left
         reserved = int(model.gpu_memory_utilization * gpu_site.cluster.gpu_memory)
         tp = model.tensor_parallel

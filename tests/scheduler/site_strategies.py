@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from exaserve_hpc.config.schema import SiteConfig, parse_site
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.topology import topology_from_site
 
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""The node-loss rule (scheduler/liveness.py) and the CPU bound on replicas per node (scheduler/cpu_bound.py):
+"""The node-loss rule (controller/liveness.py) and the CPU bound on replicas per node (controller/cpu_bound.py):
 pure functions, then the controller feeding them (a starved heartbeat thread whose replicas still stream is not
 a lost node) and placement honouring the bound (no 16 CPU replicas on 2 cores)."""
 
@@ -15,9 +15,9 @@ from exaserve_hpc.app.agent_supervisor import process_running
 from exaserve_hpc.config.schema import parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.scheduler.controller_core import ControllerCore  # noqa: E402
-from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, node_replica_cap
-from exaserve_hpc.scheduler.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
+from exaserve_hpc.controller.controller_core import ControllerCore  # noqa: E402
+from exaserve_hpc.controller.cpu_bound import cpu_replica_slots, node_replica_cap
+from exaserve_hpc.controller.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 
 # ---------------------------------------------------------------- judge
 
@@ -197,7 +197,7 @@ def test_a_two_core_node_runs_two_reference_replicas_whatever_max_replicas_per_n
 
 def test_a_silent_node_takes_no_new_replica_until_heard_again(tmp_path):
     """Failover once re-placed a replica onto a node of the same fault group that was already silent."""
-    from exaserve_hpc.scheduler.placement_control import closed_nodes
+    from exaserve_hpc.controller.placement_control import closed_nodes
     ctl, now = controller(tmp_path, grace=30.0)
     hello(ctl, now)
     tick(ctl, now, 5.0)  # past 1 s x 3 unheard, within the grace: suspected, not lost

@@ -25,9 +25,9 @@ import yaml
 from exaserve_hpc.cache.model_import import import_model
 from exaserve_hpc.engine.hf_tokenizer import HfTokenizer
 from exaserve_hpc.config.schema import load_site
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.plan import Assignment, Plan, Stage
 from exaserve_hpc.topology import topology_from_site
 
 from .fleet import (ROOT, Job, RequestStream, check_devices, cluster, environ, kill_and_watch, node_processes,

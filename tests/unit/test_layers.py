@@ -70,8 +70,8 @@ def test_a_contract_breach_is_reported(tmp_path):
     """The contract is not vacuous: the same layers with the composition root below the controller break."""
     pytest.importorskip("importlinter")
     config = (ROOT / ".importlinter").read_text()
-    swapped = config.replace("    exaserve_hpc.app\n", "").replace("    exaserve_hpc.scheduler\n",
-                                                                    "    exaserve_hpc.scheduler\n    exaserve_hpc.app\n")
+    swapped = config.replace("    exaserve_hpc.app\n", "").replace("    exaserve_hpc.controller\n",
+                                                                    "    exaserve_hpc.controller\n    exaserve_hpc.app\n")
     assert swapped != config
     (tmp_path / "swapped.ini").write_text(swapped)
     lint = Path(sys.executable).with_name("lint-imports")

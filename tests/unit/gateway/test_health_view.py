@@ -10,7 +10,7 @@ import httpx
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.app.routing import fleet_can_serve
-from exaserve_hpc.scheduler.fleet_state import AgentRecord
+from exaserve_hpc.controller.fleet_state import AgentRecord
 
 
 def controller(replicas: list[tuple[ReplicaState, tuple[str, ...]]], lost: set[str] = frozenset(),

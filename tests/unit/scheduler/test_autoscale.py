@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exaserve_hpc.scheduler.autoscale import (AutoscalePolicy, Autoscaler, ModelLoad, ScalingHistory,
+from exaserve_hpc.controller.autoscale import (AutoscalePolicy, Autoscaler, ModelLoad, ScalingHistory,
                                               autoscale, decide)
 
 POLICY = AutoscalePolicy(scale_up_threshold=0.75, scale_down_threshold=0.25, cooldown_period=120.0,

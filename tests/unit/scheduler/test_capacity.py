@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from exaserve_hpc.scheduler.capacity import replica_throughput, replicas_for_target
-from exaserve_hpc.scheduler.catalogue import ModelSpec
+from exaserve_hpc.controller.capacity import replica_throughput, replicas_for_target
+from exaserve_hpc.controller.catalogue import ModelSpec
 
 
 def spec(**kw):

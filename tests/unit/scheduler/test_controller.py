@@ -22,9 +22,9 @@ from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, GpuInfo, L2EntryStatus, L2Status, LoadFailed, MemoryPoolStatus, Prefetch, ReplicaEvent,
     ReplicaStatus, StartReplica, StopReplica, decode, encode,
 )
-from exaserve_hpc.scheduler.autoscale import UP
-from exaserve_hpc.scheduler.controller import Controller
-from exaserve_hpc.scheduler.demand import DemandHistory
+from exaserve_hpc.controller.autoscale import UP
+from exaserve_hpc.controller.controller import Controller
+from exaserve_hpc.controller.demand import DemandHistory
 from exaserve_hpc.router.port import RouterPortStub
 
 from tests.slurm.fleet import ROOT
@@ -247,8 +247,8 @@ def test_demand_history_splits_the_total_by_outstanding_requests():
 
 
 def test_a_preferred_placement_is_honoured_where_it_has_room(tmp_path):
-    from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-    from exaserve_hpc.scheduler.live_placement import fleet_topology, place_pending
+    from exaserve_hpc.controller.catalogue import catalogue_from_site
+    from exaserve_hpc.controller.live_placement import fleet_topology, place_pending
     site = make_site(tmp_path, 4, scheduler={"max_replicas_per_node": 2})
     inventory = [{"hostname": h, "host_memory": 8 * GiB} for h in ("a", "b")]
     pending = [(f"{MODEL}/r{i:04d}", MODEL) for i in range(4)]
@@ -392,7 +392,7 @@ def test_scale_down_never_goes_below_the_model_minimum(make_controller):
 
 def test_model_loads_count_serving_replicas_and_what_is_in_flight_on_them(tmp_path):
     from exaserve_hpc.agent.lifecycle import ReplicaState
-    from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, model_loads, pick_for_removal
+    from exaserve_hpc.controller.fleet_state import ReplicaRecord, model_loads, pick_for_removal
 
     site = make_site(tmp_path, 4, model={"max_batch_size": 8})
     records = [ReplicaRecord(f"{MODEL}/r000{i}", MODEL, agent_id="a", state=ReplicaState.SERVING) for i in range(4)]
@@ -407,8 +407,8 @@ def test_model_loads_count_serving_replicas_and_what_is_in_flight_on_them(tmp_pa
 
 
 def test_requests_waiting_in_the_router_are_demand_even_with_no_replica(tmp_path):
-    from exaserve_hpc.scheduler.autoscale import AutoscalePolicy, ScalingHistory, decide
-    from exaserve_hpc.scheduler.fleet_state import model_loads
+    from exaserve_hpc.controller.autoscale import AutoscalePolicy, ScalingHistory, decide
+    from exaserve_hpc.controller.fleet_state import model_loads
 
     site = make_site(tmp_path, 0, model={"max_batch_size": 8, "min_replicas": 0})
     (idle,) = model_loads(site, [], {})

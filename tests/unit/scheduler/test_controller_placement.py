@@ -14,11 +14,11 @@ import pytest
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, StartReplica, StopReplica
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.controller_core import MAX_RESTARTS, ControllerCore
-from exaserve_hpc.scheduler.failover import failover
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.placement import plan_site
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.controller_core import MAX_RESTARTS, ControllerCore
+from exaserve_hpc.controller.failover import failover
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.placement import plan_site
 from exaserve_hpc.topology import topology_from_site
 
 GiB = 1 << 30

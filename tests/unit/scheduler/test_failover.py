@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from exaserve_hpc.config.schema import load_site, parse_site
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.failover import failover, failover_fault_group
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.placement import plan_catalogue, plan_site
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.failover import failover, failover_fault_group
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.placement import plan_catalogue, plan_site
 from exaserve_hpc.topology import topology_from_site
 
 SITES = Path(__file__).resolve().parents[3] / "site-configs"

@@ -6,14 +6,14 @@ from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.memory_pool import MemoryPool
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, MemoryPoolStatus
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord
-from exaserve_hpc.scheduler.live_placement import fleet_topology, place_pending
-from exaserve_hpc.scheduler.demand import DemandHistory
-from exaserve_hpc.scheduler.oom_control import (
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.fleet_state import AgentRecord, ReplicaRecord
+from exaserve_hpc.controller.live_placement import fleet_topology, place_pending
+from exaserve_hpc.controller.demand import DemandHistory
+from exaserve_hpc.controller.oom_control import (
     OomControl, agent_readings, fleet_plan, is_short, request_rates, reservation_devices,
 )
-from exaserve_hpc.scheduler.oom_guard import MemoryReading
+from exaserve_hpc.controller.oom_guard import MemoryReading
 
 GiB = 1 << 30
 

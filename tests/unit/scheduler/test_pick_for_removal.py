@@ -6,8 +6,8 @@ import random
 import time
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
-from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, in_flight, pick_for_removal
-from exaserve_hpc.scheduler.plan import replica_index
+from exaserve_hpc.controller.fleet_state import ReplicaRecord, in_flight, pick_for_removal
+from exaserve_hpc.controller.plan import replica_index
 
 MODEL = "m"
 

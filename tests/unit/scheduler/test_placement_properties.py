@@ -7,11 +7,11 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exaserve_hpc.scheduler.autoscale import ScaleDecision, apply_scaling
-from exaserve_hpc.scheduler.failover import failover
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.placement import plan_catalogue, plan_site
-from exaserve_hpc.scheduler.rebalance import rebalance
+from exaserve_hpc.controller.autoscale import ScaleDecision, apply_scaling
+from exaserve_hpc.controller.failover import failover
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.placement import plan_catalogue, plan_site
+from exaserve_hpc.controller.rebalance import rebalance
 from tests.scheduler.site_strategies import parts, sites
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from exaserve_hpc.config.schema import load_site
-from exaserve_hpc.scheduler.plan_report import add_plan_arguments, cmd_plan
+from exaserve_hpc.controller.plan_report import add_plan_arguments, cmd_plan
 from exaserve_hpc.topology import DEFAULT_HOST_MEMORY, topology_from_inventory, topology_from_site
 
 GiB = 2**30

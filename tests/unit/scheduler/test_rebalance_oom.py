@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from exaserve_hpc.config.schema import parse_site
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.failover import failover
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.oom_guard import MemoryReading, oom_guard, replica_priorities
-from exaserve_hpc.scheduler.placement import plan_site
-from exaserve_hpc.scheduler.plan import Plan
-from exaserve_hpc.scheduler.rebalance import rebalance, rebalance_due
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.failover import failover
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.oom_guard import MemoryReading, oom_guard, replica_priorities
+from exaserve_hpc.controller.placement import plan_site
+from exaserve_hpc.controller.plan import Plan
+from exaserve_hpc.controller.rebalance import rebalance, rebalance_due
 from exaserve_hpc.topology import topology_from_site
 
 GiB = 2**30

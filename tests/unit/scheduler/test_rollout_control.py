@@ -15,8 +15,8 @@ from exaserve_hpc.cache.manifest import write_manifest
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.gateway.admin_api import make_admin_router
 from exaserve_hpc.router.canary import RolloutTable
-from exaserve_hpc.scheduler.fleet_state import ReplicaRecord
-from exaserve_hpc.scheduler.rollout_control import (
+from exaserve_hpc.controller.fleet_state import ReplicaRecord
+from exaserve_hpc.controller.rollout_control import (
     ModelVersions, RolloutFleet, canary_replicas, old_to_retire, version_dir,
 )
 

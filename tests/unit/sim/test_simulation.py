@@ -9,7 +9,7 @@ import pytest
 from exaserve_hpc.cli import main as cli
 from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.engine.timing import timings_for
-from exaserve_hpc.scheduler import autoscale
+from exaserve_hpc.controller import autoscale
 from exaserve_hpc.sim.capacity_check import sized_site
 from exaserve_hpc.sim.replica import SharedGpus, SimReplica, SimSeq
 from exaserve_hpc.sim.simulation import Simulation
@@ -163,7 +163,7 @@ def test_changing_the_spread_rule_changes_the_simulation(monkeypatch):
     """The simulator places with the controller's own Placer: a patched group order (pack a model into the
     group already holding most of it, instead of spreading it) shows in where the replicas run and in how
     many of them the loss of that fault group takes down."""
-    from exaserve_hpc.scheduler import placement
+    from exaserve_hpc.controller import placement
     model = "llama-3.1-8b-instruct"
 
     def run():

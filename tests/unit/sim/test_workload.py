@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exaserve_hpc.config.schema import load_site, resolve_site
-from exaserve_hpc.scheduler.capacity import RequestMix, replicas_for_mix
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
+from exaserve_hpc.controller.capacity import RequestMix, replicas_for_mix
+from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.sim.workload import DEFAULT_TRACE, arrivals, parse_workload, read_trace
 
 

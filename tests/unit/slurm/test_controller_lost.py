@@ -15,7 +15,7 @@ from exaserve_hpc.batch import JobEnvError, JobEnvironment, RequeueOutcome, Slur
 from exaserve_hpc.app.controller_lost import (
     CLAIM_FILE, ENDED_FILE, after_controller_lost, end_if_batch_host_lost,
 )
-from exaserve_hpc.scheduler.requeue_policy import controller_lost_decision
+from exaserve_hpc.controller.requeue_policy import controller_lost_decision
 from exaserve_hpc.batch.slurm.client import CliSlurmClient, CommandResult
 
 from tests.unit.slurm.test_jobenv import Runner  # a recording runner answering by command prefix

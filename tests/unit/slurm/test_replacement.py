@@ -7,8 +7,8 @@ from pathlib import Path
 from exaserve_hpc.config.schema import load_site, resolve_site
 from exaserve_hpc.batch import SlurmJobEnvironment
 from exaserve_hpc.app.requeue_watch import RequeueWatch
-from exaserve_hpc.scheduler.replacement_policy import replacement_decision
-from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy
+from exaserve_hpc.controller.replacement_policy import replacement_decision
+from exaserve_hpc.controller.requeue_policy import RequeuePolicy
 from exaserve_hpc.batch.slurm.companion_jobs import CompanionJobs, render_companion
 from exaserve_hpc.batch.slurm.parse import JobInfo
 from exaserve_hpc.batch.slurm.sbatch import options_from_site

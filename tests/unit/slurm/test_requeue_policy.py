@@ -11,7 +11,7 @@ from exaserve_hpc.app.requeue_watch import REQUEST_FILE, STOP_FILE, RequeueWatch
 from exaserve_hpc.app.state_keeper import StateKeeper
 from exaserve_hpc.controller_state import CHECKPOINT_FILE, ControllerState, RolloutState, load_state
 from exaserve_hpc.batch import JobEnvError, JobEnvironment, RequeueOutcome
-from exaserve_hpc.scheduler.requeue_policy import RequeuePolicy, RequeueReason, RequeueSnapshot, requeue_decision
+from exaserve_hpc.controller.requeue_policy import RequeuePolicy, RequeueReason, RequeueSnapshot, requeue_decision
 
 NODES = ("n1", "n2", "n3", "n4")
 

@@ -20,10 +20,10 @@ from rich.table import Table
 from exaserve_hpc.config.schema import ConfigError, load_site, resolve_site
 from exaserve_hpc.units import format_size
 from exaserve_hpc.topology import topology_from_site
-from exaserve_hpc.scheduler.capacity import placeable_replicas
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.placement import plan_site
-from exaserve_hpc.scheduler.plan import Plan
+from exaserve_hpc.controller.capacity import placeable_replicas
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.placement import plan_site
+from exaserve_hpc.controller.plan import Plan
 
 SPREAD_ROWS = 64  # more fault groups than this: a min/max summary per model instead of one row each
 

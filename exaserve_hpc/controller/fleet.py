@@ -35,11 +35,11 @@ from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.registry import engine_settings, engine_spec
 from exaserve_hpc.protocol import StartReplica, StopReplica
 from exaserve_hpc.topology import Topology
-from exaserve_hpc.scheduler.catalogue import catalogue_from_site
-from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord, desired_replicas
-from exaserve_hpc.scheduler.live_placement import fleet_topology, held_plan
-from exaserve_hpc.scheduler.pipeline import PipelineStages
-from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_id, replica_index
+from exaserve_hpc.controller.catalogue import catalogue_from_site
+from exaserve_hpc.controller.fleet_state import AgentRecord, ReplicaRecord, desired_replicas
+from exaserve_hpc.controller.live_placement import fleet_topology, held_plan
+from exaserve_hpc.controller.pipeline import PipelineStages
+from exaserve_hpc.controller.plan import Assignment, Plan, replica_id, replica_index
 
 log = logging.getLogger("exaserve.controller")
 

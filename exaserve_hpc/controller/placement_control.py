@@ -35,12 +35,12 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from exaserve_hpc.agent.lifecycle import ReplicaState
-from exaserve_hpc.scheduler.failover import failover
-from exaserve_hpc.scheduler.fleet import Fleet, keeps_kv_snapshots
-from exaserve_hpc.scheduler.fleet_state import ReplicaRecord
-from exaserve_hpc.scheduler.invariants import plan_violations
-from exaserve_hpc.scheduler.live_placement import held_plan, place_pending
-from exaserve_hpc.scheduler.rebalance import rebalance, rebalance_due
+from exaserve_hpc.controller.failover import failover
+from exaserve_hpc.controller.fleet import Fleet, keeps_kv_snapshots
+from exaserve_hpc.controller.fleet_state import ReplicaRecord
+from exaserve_hpc.controller.invariants import plan_violations
+from exaserve_hpc.controller.live_placement import held_plan, place_pending
+from exaserve_hpc.controller.rebalance import rebalance, rebalance_due
 
 log = logging.getLogger("exaserve.controller")
 

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.scheduler.fleet_state import ReplicaRecord, pick_for_removal
+from exaserve_hpc.controller.fleet_state import ReplicaRecord, pick_for_removal
 
 if TYPE_CHECKING:
     from exaserve_hpc.router.canary import Rollout
-    from exaserve_hpc.scheduler.fleet import Fleet
+    from exaserve_hpc.controller.fleet import Fleet
 
 log = logging.getLogger("exaserve.rollout")
 

@@ -51,19 +51,19 @@ from exaserve_hpc.protocol import (
     AgentHeartbeat, AgentHello, HeartbeatAck, LoadFailed, ReplicaEvent, Shutdown, StageHello, StopReplica
 )
 from exaserve_hpc.router.port import RouterPort
-from exaserve_hpc.scheduler.autoscale import HOLD, UP, AutoscalePolicy, Autoscaler, ScaleDecision
-from exaserve_hpc.scheduler.capacity import placeable_replicas
-from exaserve_hpc.scheduler.controller_status import controller_status
-from exaserve_hpc.scheduler.demand import DemandHistory
-from exaserve_hpc.scheduler.fleet import Fleet, FleetSnapshot
-from exaserve_hpc.scheduler.fleet_state import (  # noqa: F401 (re-exported)
+from exaserve_hpc.controller.autoscale import HOLD, UP, AutoscalePolicy, Autoscaler, ScaleDecision
+from exaserve_hpc.controller.capacity import placeable_replicas
+from exaserve_hpc.controller.controller_status import controller_status
+from exaserve_hpc.controller.demand import DemandHistory
+from exaserve_hpc.controller.fleet import Fleet, FleetSnapshot
+from exaserve_hpc.controller.fleet_state import (  # noqa: F401 (re-exported)
     AgentRecord, ReplicaRecord, model_loads, pick_for_removal
 )
-from exaserve_hpc.scheduler.liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
-from exaserve_hpc.scheduler.oom_control import OomControl
-from exaserve_hpc.scheduler.placement_control import PlacementControl, is_reservation_refusal
-from exaserve_hpc.scheduler.rollout_control import RolloutFleet
-from exaserve_hpc.scheduler.weight_control import WeightControl
+from exaserve_hpc.controller.liveness import LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
+from exaserve_hpc.controller.oom_control import OomControl
+from exaserve_hpc.controller.placement_control import PlacementControl, is_reservation_refusal
+from exaserve_hpc.controller.rollout_control import RolloutFleet
+from exaserve_hpc.controller.weight_control import WeightControl
 
 log = logging.getLogger("exaserve.controller")
 

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from exaserve_hpc.units import format_size
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_index
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.plan import Assignment, Plan, replica_index
 
 IMPORTANCE_WEIGHT, DEMAND_WEIGHT, SIZE_WEIGHT = 0.5, 0.3, 0.2
 

@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from exaserve_hpc.topology import Topology
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.occupancy import Occupancy, merge_unplaced
-from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage, Unplaced
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.occupancy import Occupancy, merge_unplaced
+from exaserve_hpc.controller.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.controller.plan import Assignment, Plan, Stage, Unplaced
 
 
 @dataclass(frozen=True)

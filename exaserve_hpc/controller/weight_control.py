@@ -29,8 +29,8 @@ from exaserve_hpc.engine.registry import engine_spec
 from exaserve_hpc.protocol import LoadFailed, Prefetch
 
 if TYPE_CHECKING:
-    from exaserve_hpc.scheduler.fleet import Fleet
-    from exaserve_hpc.scheduler.placement_control import PlacementControl
+    from exaserve_hpc.controller.fleet import Fleet
+    from exaserve_hpc.controller.placement_control import PlacementControl
 
 log = logging.getLogger("exaserve.controller")  # these lines were the controller's; their logger stays
 

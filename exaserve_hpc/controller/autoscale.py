@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.topology import Topology
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.occupancy import Occupancy
-from exaserve_hpc.scheduler.placement import Placer, shape_problem
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Unplaced, replica_id, replica_index
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.occupancy import Occupancy
+from exaserve_hpc.controller.placement import Placer, shape_problem
+from exaserve_hpc.controller.plan import Assignment, Plan, Unplaced, replica_id, replica_index
 
 UP, HOLD, DOWN = 1, 0, -1
 

@@ -32,9 +32,9 @@ from collections.abc import Iterable
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.topology import Topology, topology_from_site
 from exaserve_hpc.units import format_size
-from exaserve_hpc.scheduler.catalogue import ModelSpec, catalogue_from_site, placement_order
-from exaserve_hpc.scheduler.occupancy import PACK, Occupancy
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Unplaced, replica_id
+from exaserve_hpc.controller.catalogue import ModelSpec, catalogue_from_site, placement_order
+from exaserve_hpc.controller.occupancy import PACK, Occupancy
+from exaserve_hpc.controller.plan import Assignment, Plan, Unplaced, replica_id
 
 
 def shape_problem(spec: ModelSpec, topology: Topology) -> str | None:

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 
 from exaserve_hpc import metrics
 from exaserve_hpc.protocol import MemoryPoolStatus
-from exaserve_hpc.scheduler.fleet_state import AgentRecord, ReplicaRecord
-from exaserve_hpc.scheduler.oom_guard import MemoryReading, OomDecision, oom_guard
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage
+from exaserve_hpc.controller.fleet_state import AgentRecord, ReplicaRecord
+from exaserve_hpc.controller.oom_guard import MemoryReading, OomDecision, oom_guard
+from exaserve_hpc.controller.plan import Assignment, Plan, Stage
 
 if TYPE_CHECKING:
-    from exaserve_hpc.scheduler.demand import DemandHistory
-    from exaserve_hpc.scheduler.fleet import Fleet
+    from exaserve_hpc.controller.demand import DemandHistory
+    from exaserve_hpc.controller.fleet import Fleet
 
 log = logging.getLogger("exaserve.oom")
 

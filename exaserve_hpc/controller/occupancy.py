@@ -11,9 +11,9 @@ from collections import Counter
 from collections.abc import Iterable
 
 from exaserve_hpc.topology import Node, Topology
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.cpu_bound import node_replica_cap
-from exaserve_hpc.scheduler.plan import Assignment, Plan, Stage, Unplaced
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.cpu_bound import node_replica_cap
+from exaserve_hpc.controller.plan import Assignment, Plan, Stage, Unplaced
 
 
 PACK, SPREAD = "pack", "spread"

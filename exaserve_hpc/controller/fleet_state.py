@@ -19,9 +19,9 @@ from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.load_failover import NodeView
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, MemoryPoolStatus
-from exaserve_hpc.scheduler.autoscale import ModelLoad
-from exaserve_hpc.scheduler.live_placement import hello_inventory
-from exaserve_hpc.scheduler.plan import Assignment, replica_index
+from exaserve_hpc.controller.autoscale import ModelLoad
+from exaserve_hpc.controller.live_placement import hello_inventory
+from exaserve_hpc.controller.plan import Assignment, replica_index
 
 
 @dataclass

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from exaserve_hpc.topology import Topology
 from exaserve_hpc.units import format_size
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.occupancy import Occupancy
-from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
-from exaserve_hpc.scheduler.plan import Plan
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.occupancy import Occupancy
+from exaserve_hpc.controller.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.controller.plan import Plan
 
 HEADROOM = 0.30
 

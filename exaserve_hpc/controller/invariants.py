@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from exaserve_hpc.topology import Topology
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.plan import Plan
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.plan import Plan
 
 FRACTION_SLACK = 1e-9
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.protocol import AgentHello
 from exaserve_hpc.topology import Topology, topology_from_inventory
-from exaserve_hpc.scheduler.catalogue import ModelSpec, placement_order
-from exaserve_hpc.scheduler.cpu_bound import cpu_replica_slots, site_bounds_cpu
-from exaserve_hpc.scheduler.occupancy import PACK, Occupancy
-from exaserve_hpc.scheduler.placement import Placer, capacity_problem, shape_problem
-from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_index
+from exaserve_hpc.controller.catalogue import ModelSpec, placement_order
+from exaserve_hpc.controller.cpu_bound import cpu_replica_slots, site_bounds_cpu
+from exaserve_hpc.controller.occupancy import PACK, Occupancy
+from exaserve_hpc.controller.placement import Placer, capacity_problem, shape_problem
+from exaserve_hpc.controller.plan import Assignment, Plan, replica_index
 
 
 def hello_inventory(agent_id: str, hello: AgentHello) -> dict:

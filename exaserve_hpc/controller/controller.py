@@ -27,8 +27,8 @@ from exaserve_hpc.peer_guard import PeerGuard
 from exaserve_hpc.protocol import DecodeError, decode, encode
 from exaserve_hpc.router.port import RouterPort
 from exaserve_hpc.router.zmq_router import bind
-from exaserve_hpc.scheduler.controller_core import ControllerCore
-from exaserve_hpc.scheduler.message_checks import invalid
+from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.message_checks import invalid
 from exaserve_hpc.transport import secure_server
 
 log = logging.getLogger("exaserve.controller")

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from exaserve_hpc.topology import Topology
-from exaserve_hpc.scheduler.catalogue import ModelSpec
-from exaserve_hpc.scheduler.occupancy import Occupancy
-from exaserve_hpc.scheduler.plan import Assignment, Plan, replica_id
+from exaserve_hpc.controller.catalogue import ModelSpec
+from exaserve_hpc.controller.occupancy import Occupancy
+from exaserve_hpc.controller.plan import Assignment, Plan, replica_id
 
 
 @dataclass(frozen=True)
