@@ -25,7 +25,7 @@ from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, StartRe
 from exaserve_hpc.router.port import RouterPortStub
 from exaserve_hpc.controller.autoscale import AutoscalePolicy, ModelLoad, ScalingHistory, autoscale  # noqa: E402
 from exaserve_hpc.controller.catalogue import catalogue_from_site  # noqa: E402
-from exaserve_hpc.controller.controller_core import ControllerCore  # noqa: E402
+from exaserve_hpc.controller.core import ControllerCore  # noqa: E402
 from exaserve_hpc.controller.failover import failover, failover_fault_group  # noqa: E402
 from exaserve_hpc.controller.placement import plan_site  # noqa: E402
 from exaserve_hpc.topology import topology_from_site  # noqa: E402

@@ -261,7 +261,7 @@ class EngineSettings(msgspec.Struct, omit_defaults=True):
 
 
 class PipelineStage(msgspec.Struct, omit_defaults=True):
-    """One stage process of a pipeline-parallel replica (controller/pipeline.py, engine/stage_link.py).
+    """One stage process of a pipeline-parallel replica (controller/stage_rendezvous.py, engine/stage_link.py).
 
     Stage 0 is the replica's leader: it registers with the router and drives generation; stages
     1.. run their layers on activations from the stage before and pass them on (the last returns

@@ -78,5 +78,5 @@ class Lifecycle:
         return sum(t.seconds for t in self.history if t.old is state)
 
 
-# A replica stop its agent did not ask for starts ReplicaEvent.detail with this (controller/controller.py)
+# A replica stop its agent did not ask for starts ReplicaEvent.detail with this (controller/loop.py)
 STOPPED_UNASKED = "stopped on its own"

@@ -38,7 +38,7 @@ from typing import Mapping, Optional
 
 import zmq
 
-from exaserve_hpc.agent import faults, pipeline_stage
+from exaserve_hpc.agent import faults, stage_process
 from exaserve_hpc.agent.lifecycle import ReplicaState
 from exaserve_hpc.agent.router_links import RouterLinks
 from exaserve_hpc.cache.tiers import load_weights
@@ -368,12 +368,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         if spec.stage is not None and spec.stage.rank > 0:  # a later pipeline stage: no router, no engine loop
-            return pipeline_stage.run_stage(spec, args, reporter)
+            return stage_process.run_stage(spec, args, reporter)
         # The run's keys (from the job directory the agent names, never the command line): the engine's KV-event
         # PUB becomes a CURVE server admitting only the router's key, and block hashes take the run's salt.
         kv_keys = replica_kv_event_keys(os.environ)
         secure_publishers(kv_keys)
-        engine, kv_events_endpoint = (pipeline_stage.build_head(spec, args, reporter, make_engine)
+        engine, kv_events_endpoint = (stage_process.build_head(spec, args, reporter, make_engine)
                                       if spec.stage is not None else build_replica_engine(spec, args, reporter))
         reporter.state(ReplicaState.WARMING)
         engine.warmup()
@@ -395,7 +395,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         server.run()
         engine.shutdown()
         if spec.stage is not None:
-            pipeline_stage.close_head(engine)  # the other stages exit once the ring says stop
+            stage_process.close_head(engine)  # the other stages exit once the ring says stop
         links.close()
         context.term()
         return 0

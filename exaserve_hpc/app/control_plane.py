@@ -58,7 +58,7 @@ from exaserve_hpc.gateway.http_limits import HttpLimits
 from exaserve_hpc.gateway.server import STOP_SIGNALS, gateway_server, listen_socket
 from exaserve_hpc.observability.collector import watch_fleet
 from exaserve_hpc.quota.ledger import UsageLedger, ledger_dir
-from exaserve_hpc.controller.controller import Controller
+from exaserve_hpc.controller.loop import Controller
 
 log = logging.getLogger("exaserve.control")
 console = Console(stderr=True)

@@ -86,7 +86,7 @@ class StateKeeper:
         return False
 
     def _acting(self) -> bool:
-        """The controller's HA gate (controller/controller.py: always true without ha.etcd)."""
+        """The controller's HA gate (controller/loop.py: always true without ha.etcd)."""
         acting = getattr(self.controller, "acting", None)
         return True if acting is None else bool(acting())
 

@@ -1,6 +1,6 @@
 """The fleet: node agents, replicas and replica ids, with the public interface the controller's parts use.
 
-The controller (controller.py) owns the thread and the socket; its parts (placement_control.py,
+The controller's loop (loop.py) owns the thread and the socket; its parts (placement_control.py,
 oom_control.py, rollout_control.py, weight_control.py, controller_status.py) read and change the fleet
 only through this object, on the controller thread with `lock` held (`submit` queues work for that
 thread from any other). Messages for agents go to `outbox`, which the controller's loop sends after each
@@ -38,7 +38,7 @@ from exaserve_hpc.topology import Topology
 from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.controller.fleet_state import AgentRecord, ReplicaRecord, desired_replicas
 from exaserve_hpc.controller.live_placement import fleet_topology, held_plan
-from exaserve_hpc.controller.pipeline import PipelineStages
+from exaserve_hpc.controller.stage_rendezvous import PipelineStages
 from exaserve_hpc.controller.plan import Assignment, Plan, replica_id, replica_index
 
 log = logging.getLogger("exaserve.controller")

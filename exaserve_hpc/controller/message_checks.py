@@ -1,4 +1,4 @@
-"""What the controller checks of a message beyond decoding: a pure rule (controller.py's loop drops a message
+"""What the controller checks of a message beyond decoding: a pure rule (loop.py drops a message
 it names, counted against its peer by peer_guard.PeerGuard).
 
 `invalid(message)` checks the replica states named in heartbeats and events.

@@ -10,7 +10,7 @@ A replica is ``tp * pp`` ranks of one communicator; rank = stage * tp + shard.
   stages take one more when they do not divide); stage 0 embeds, the last
   stage computes logits, hidden states travel between the same shard of
   consecutive stages over an ``MpiStageLink`` (``stage_link.py``: the seam
-  the ZeroMQ stages of ``pipeline_stages.py`` use across nodes too).
+  the ZeroMQ stages of ``stage_worker.py`` use across nodes too).
 - Rank 0 (stage 0, shard 0) leads: it runs ``ParallelReferenceEngine``
   (scheduler, block manager, sampling) and each step broadcasts the work
   (token ids, block tables, K/V already held) to the replica; the last

@@ -45,7 +45,7 @@ class EngineSpec:
     kv_events: bool          # publishes KV-cache events (precise prefix routing)
     kv_snapshots: bool       # its prefix cache can be written and loaded (engine/kv_snapshot.py) on a move
     # Why models with pipeline_parallel > 1 cannot run this engine ("" = `config check` lets them through);
-    # exaserve's pipeline stages are processes on different nodes (agent/pipeline_stage.py)
+    # exaserve's pipeline stages are processes on different nodes (agent/stage_process.py)
     pipeline_refusal: str = ""
     # The replica process starts without the Slurm step's PMIx/MPI wiring (agent/replica_process.py): engines
     # that start MPI workers of their own (TensorRT-LLM for TP) must not join the srun step's MPI job

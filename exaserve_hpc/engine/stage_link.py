@@ -14,7 +14,7 @@ activations or logits. ``StageLink`` is the seam; an engine's stage code never k
 
 How ZeroMQ stages find each other (the simplest scheme that needs no shared file system and no
 port the controller would have to guess free): each stage binds on a free port, then says
-``StageHello(key, rank, endpoint)`` to the controller (``agent/pipeline_stage.py``), repeating it
+``StageHello(key, rank, endpoint)`` to the controller (``agent/stage_process.py``), repeating it
 once a second until the controller's ``StageTable`` holds every rank of that start attempt's key;
 then it connects to the next rank's endpoint. A stage that never appears fails the others after
 ``rendezvous_timeout`` with a message naming the stage and its node; a stage whose agent reports a

@@ -1,7 +1,7 @@
 """Discrete-event simulation of the running control plane: the real controller core and router dispatcher.
 
 One event heap in simulated seconds; nothing reads the wall clock, opens a socket or starts a thread.
-- The controller is `scheduler.controller_core.ControllerCore` (no socket, no thread) with the simulation's clock:
+- The controller is `controller.core.ControllerCore` (no socket, no thread) with the simulation's clock:
   agents' hellos, heartbeats and replica events go to `Controller.handle`, `Controller.tick` runs every
   `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
   the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
@@ -37,7 +37,7 @@ from exaserve_hpc.protocol import (
 from exaserve_hpc.router.dispatch import GATEWAY
 from exaserve_hpc.router.dispatch_state import request_id_of
 from exaserve_hpc.controller.catalogue import catalogue_from_site
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 from exaserve_hpc.controller.requeue_policy import RequeueSnapshot, requeue_decision
 from exaserve_hpc.sim.fleet import SimAgent
 from exaserve_hpc.sim.metrics import Recorder

@@ -199,7 +199,7 @@ def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_
 
     from exaserve_hpc.cli import main as cli
     from exaserve_hpc.config.schema import parse_site
-    from exaserve_hpc.controller.controller import Controller
+    from exaserve_hpc.controller.loop import Controller
     from tests.unit.scheduler.test_controller import FakeRouter
 
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml").read_text())

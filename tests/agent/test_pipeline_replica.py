@@ -22,7 +22,7 @@ import zmq
 from exaserve_hpc.agent.node_agent import NodeAgent
 from exaserve_hpc.transport import CURVE_JOB_DIR_VARIABLE, make_curve_keys, secure_client
 from exaserve_hpc.jobdir import JobDir
-from exaserve_hpc.agent.pipeline_stage import StageError, rendezvous
+from exaserve_hpc.agent.stage_process import StageError, rendezvous
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.engine.base import EngineRequest
@@ -34,8 +34,8 @@ from exaserve_hpc.protocol import (
 from exaserve_hpc.router.balancing import RoundRobin
 from exaserve_hpc.router.dispatch import Dispatcher, DispatchSettings
 from exaserve_hpc.router.zmq_router import ZmqRouter
-from exaserve_hpc.controller.controller import Controller
-from exaserve_hpc.controller.pipeline import PipelineStages
+from exaserve_hpc.controller.loop import Controller
+from exaserve_hpc.controller.stage_rendezvous import PipelineStages
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.process

@@ -15,7 +15,7 @@ from exaserve_hpc.app.agent_supervisor import process_running
 from exaserve_hpc.config.schema import parse_site  # noqa: E402
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello  # noqa: E402
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.controller.controller_core import ControllerCore  # noqa: E402
+from exaserve_hpc.controller.core import ControllerCore  # noqa: E402
 from exaserve_hpc.controller.cpu_bound import cpu_replica_slots, node_replica_cap
 from exaserve_hpc.controller.liveness import ALIVE, LOST, SUSPECT, Evidence, Lateness, adaptive_grace, judge
 

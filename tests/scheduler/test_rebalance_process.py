@@ -24,7 +24,7 @@ from exaserve_hpc.engine.tokenizer import ByteTokenizer
 from exaserve_hpc.protocol import GenerateRequest, RequestError, TokenChunk, decode, encode
 from exaserve_hpc.router.dispatch import Dispatcher
 from exaserve_hpc.router.zmq_router import ZmqRouter
-from exaserve_hpc.controller.controller import Controller
+from exaserve_hpc.controller.loop import Controller
 
 from tests.serve_harness import ROOT, alive
 from tests.waiting import wait_for

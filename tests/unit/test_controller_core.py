@@ -1,5 +1,5 @@
 """The controller's core, driven as the simulator drives it: messages and a clock in, effects out; no socket,
-no thread (controller/controller_core.py)."""
+no thread (controller/core.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import (AgentHeartbeat, AgentHello, GpuInfo, HeartbeatAck, MemoryPoolStatus, ReplicaEvent,
                                    Shutdown, StartReplica)
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 
 GiB = 1 << 30
 

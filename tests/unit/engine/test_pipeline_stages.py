@@ -10,7 +10,7 @@ import pytest
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers
-from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_checkpoint
+from exaserve_hpc.engine.stage_worker import StageWorker, attach_head, stage_checkpoint
 from exaserve_hpc.engine.reference import ReferenceEngine
 from exaserve_hpc.engine.stage_link import LinkError
 from exaserve_hpc.engine.stage_transports import ZmqStageLink

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from exaserve_hpc.controller_state import ControllerState
 from exaserve_hpc.protocol import AgentHeartbeat, ReplicaStatus, StartReplica, StopReplica
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 from tests.unit.scheduler.test_controller_placement import Clock, StubRouter, gpu_site, hello, starts
 
 

@@ -17,7 +17,7 @@ from exaserve_hpc.protocol import (
 )
 from exaserve_hpc.router.dispatch import Dispatcher
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 
 GiB = 1 << 30
 

@@ -23,7 +23,7 @@ from exaserve_hpc.protocol import (
     ReplicaStatus, StartReplica, StopReplica, decode, encode,
 )
 from exaserve_hpc.controller.autoscale import UP
-from exaserve_hpc.controller.controller import Controller
+from exaserve_hpc.controller.loop import Controller
 from exaserve_hpc.controller.demand import DemandHistory
 from exaserve_hpc.router.port import RouterPortStub
 

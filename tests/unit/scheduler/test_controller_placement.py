@@ -15,7 +15,7 @@ from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, GpuInfo, MemoryPoolStatus, ReplicaEvent, StartReplica, StopReplica
 from exaserve_hpc.router.port import RouterPortStub
 from exaserve_hpc.controller.catalogue import catalogue_from_site
-from exaserve_hpc.controller.controller_core import MAX_RESTARTS, ControllerCore
+from exaserve_hpc.controller.core import MAX_RESTARTS, ControllerCore
 from exaserve_hpc.controller.failover import failover
 from exaserve_hpc.controller.invariants import plan_violations
 from exaserve_hpc.controller.placement import plan_site

@@ -7,7 +7,7 @@ from __future__ import annotations
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StartReplica
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 
 GiB = 1 << 30
 

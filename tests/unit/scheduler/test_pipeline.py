@@ -7,8 +7,8 @@ from __future__ import annotations
 from exaserve_hpc.config.schema import parse_site
 from exaserve_hpc.protocol import AgentHello, MemoryPoolStatus, ReplicaEvent, StageHello, StageTable, StartReplica
 from exaserve_hpc.router.port import RouterPortStub
-from exaserve_hpc.controller.controller_core import ControllerCore
-from exaserve_hpc.controller.pipeline import PipelineStages, stage_of, stage_process_id
+from exaserve_hpc.controller.core import ControllerCore
+from exaserve_hpc.controller.stage_rendezvous import PipelineStages, stage_of, stage_process_id
 
 GiB = 1 << 30
 

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from exaserve_hpc.controller.controller_core import ControllerCore
+    from exaserve_hpc.controller.core import ControllerCore
 
 
 def _finite(x: float) -> Optional[float]:

@@ -1,7 +1,7 @@
 """Pipeline-parallel replicas on the controller: one StartReplica per stage, and the stages' rendezvous.
 
 A model with ``pipeline_parallel`` N > 1 runs each replica as N stage processes
-(``agent/pipeline_stage.py``), one per node of its assignment (the planner puts the stages on
+(``agent/stage_process.py``), one per node of its assignment (the planner puts the stages on
 distinct nodes; ``Fleet.stage_specs`` gives one (node, StartReplica) per stage). The controller's
 record of the replica is stage 0's: its node, its state (stage 0 registers with the router and
 reports for the whole replica). Each start of such a replica is an *attempt* with a key of its own:

@@ -1,4 +1,4 @@
-"""The controller (rank 0): its core (controller_core.py) plus the thread that owns the ROUTER socket.
+"""The controller (rank 0): its core (core.py) plus the thread that owns the ROUTER socket.
 
     controller = Controller(site, router, host, port, curve=keys).start()   # agents connect to .endpoint
 
@@ -27,7 +27,7 @@ from exaserve_hpc.peer_guard import PeerGuard
 from exaserve_hpc.protocol import DecodeError, decode, encode
 from exaserve_hpc.router.port import RouterPort
 from exaserve_hpc.router.zmq_router import bind
-from exaserve_hpc.controller.controller_core import ControllerCore
+from exaserve_hpc.controller.core import ControllerCore
 from exaserve_hpc.controller.message_checks import invalid
 from exaserve_hpc.transport import secure_server
 

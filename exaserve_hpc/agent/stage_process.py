@@ -1,8 +1,8 @@
 """A pipeline stage's process: the stage mode of ``replica_main`` (spec.stage is set).
 
 A pipeline-parallel replica is one process per stage, each started by its node's agent from its
-own StartReplica (``controller/pipeline.py``). Every stage loads the checkpoint and keeps only its
-layers (``engine/pipeline_stages.stage_checkpoint``), binds its link (``engine/stage_link.py``),
+own StartReplica (``controller/stage_rendezvous.py``). Every stage loads the checkpoint and keeps only its
+layers (``engine/stage_worker.stage_checkpoint``), binds its link (``engine/stage_link.py``),
 and finds the others through the controller (StageHello until the StageTable is complete).
 
 - Stage 0 (``build_head``) is the replica: its reference engine runs stage 0's layers and the
@@ -37,7 +37,7 @@ from exaserve_hpc.cache.tiers import load_weights
 from exaserve_hpc.engine.kv_publisher import kv_events_announced, kv_events_bind
 from exaserve_hpc.engine.model import LlamaModel
 from exaserve_hpc.engine.parallel import stage_layers
-from exaserve_hpc.engine.pipeline_stages import StageWorker, attach_head, stage_checkpoint
+from exaserve_hpc.engine.stage_worker import StageWorker, attach_head, stage_checkpoint
 from exaserve_hpc.engine.stage_link import LinkError, address_towards, stage_name
 from exaserve_hpc.engine.stage_transports import ZmqStageLink
 from exaserve_hpc.protocol import PipelineStage, StageHello, StageTable, StartReplica, decode, encode

@@ -5,7 +5,7 @@
     core.tick(now)                   # lost nodes, restarts, autoscaling, rollouts, OOM guard, placement
     core.take_effects()              # [(agent_id, message)]: what to send (StartReplica, StopReplica, ...)
 
-`Controller` (controller.py) is this core plus the thread that owns the ROUTER socket every node agent's
+`Controller` (loop.py) is this core plus the thread that owns the ROUTER socket every node agent's
 DEALER connects to; the simulator (sim/simulation.py) and the tests drive the core directly. The core records agent hellos, heartbeats and replica events; asks agents to start
 the replicas the placement gives their node; restarts a failed replica (a
 bounded number of times, with backoff); suspects a node after
@@ -31,7 +31,7 @@ messages) with a public interface; the parts that act on it live in their own
 modules: placement (placement_control.py), rollouts (rollout_control.py),
 load failover with L2 prefetch (weight_control.py) and the OOM guard's
 evictions (oom_control.py), all run on the controller thread; and the
-`status()` dict (controller_status.py). `handle(agent_id, message)` and
+`status()` dict (status.py). `handle(agent_id, message)` and
 `tick(now)` change the fleet and leave messages in its outbox; `take_effects()`
 hands them over (nothing, once this controller is not surely the leader).
 Callers hold `fleet.lock` around handle and tick (the loop and the simulator do).
@@ -53,7 +53,7 @@ from exaserve_hpc.protocol import (
 from exaserve_hpc.router.port import RouterPort
 from exaserve_hpc.controller.autoscale import HOLD, UP, AutoscalePolicy, Autoscaler, ScaleDecision
 from exaserve_hpc.controller.capacity import placeable_replicas
-from exaserve_hpc.controller.controller_status import controller_status
+from exaserve_hpc.controller.status import controller_status
 from exaserve_hpc.controller.demand import DemandHistory
 from exaserve_hpc.controller.fleet import Fleet, FleetSnapshot
 from exaserve_hpc.controller.fleet_state import (  # noqa: F401 (re-exported)
