@@ -191,7 +191,7 @@ def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_
     """A real controller thread, a real agent process granted gpu:4 by Slurm's variables, real replica
     processes: status()["replicas"][i]["devices"] (what `exaserve status --json` prints) is each replica's
     CUDA_VISIBLE_DEVICES, entry for entry, and the status table shows it. The router is the controller
-    tests' stand-in (tests/unit/scheduler/test_controller.py) with a real socket where the replicas say hello."""
+    tests' stand-in (tests/unit/controller/test_controller.py) with a real socket where the replicas say hello."""
     import io
 
     import yaml
@@ -200,7 +200,7 @@ def test_controller_status_shows_each_replicas_devices_as_its_environment_holds_
     from exaserve_hpc.cli import main as cli
     from exaserve_hpc.config.schema import parse_site
     from exaserve_hpc.controller.loop import Controller
-    from tests.unit.scheduler.test_controller import FakeRouter
+    from tests.unit.controller.test_controller import FakeRouter
 
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "site-configs" / "local.yaml").read_text())
     data["cluster"].update(gpus_per_node=4, gpu_memory="1GiB")

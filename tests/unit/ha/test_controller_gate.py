@@ -6,7 +6,7 @@ from __future__ import annotations
 from exaserve_hpc.controller_state import ControllerState
 from exaserve_hpc.protocol import AgentHeartbeat, ReplicaStatus, StartReplica, StopReplica
 from exaserve_hpc.controller.core import ControllerCore
-from tests.unit.scheduler.test_controller_placement import Clock, StubRouter, gpu_site, hello, starts
+from tests.unit.controller.test_controller_placement import Clock, StubRouter, gpu_site, hello, starts
 
 
 def test_a_controller_not_acting_places_nothing_and_queues_nothing(tmp_path):

@@ -12,7 +12,7 @@ import time
 
 from exaserve_hpc.protocol import ReplicaEvent, ReplicaStatus, StartReplica, StopReplica, decode
 
-from tests.unit.scheduler.test_controller import MODEL, context, make_controller, wait_for  # noqa: F401 (fixtures)
+from tests.unit.controller.test_controller import MODEL, context, make_controller, wait_for  # noqa: F401 (fixtures)
 
 
 def serving_replica(controller, agent) -> str:

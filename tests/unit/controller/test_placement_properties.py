@@ -12,7 +12,7 @@ from exaserve_hpc.controller.failover import failover
 from exaserve_hpc.controller.invariants import plan_violations
 from exaserve_hpc.controller.placement import plan_catalogue, plan_site
 from exaserve_hpc.controller.rebalance import rebalance
-from tests.scheduler.site_strategies import parts, sites
+from tests.controller.site_strategies import parts, sites
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -10,7 +10,7 @@ import time
 
 from exaserve_hpc.agent.node_agent import NodeAgent
 
-from tests.unit.scheduler.test_controller import context, make_controller, wait_for  # noqa: F401 (fixtures)
+from tests.unit.controller.test_controller import context, make_controller, wait_for  # noqa: F401 (fixtures)
 
 
 def test_a_hung_agent_loop_does_not_make_its_node_lost(make_controller, tmp_path):

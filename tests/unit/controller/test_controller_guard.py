@@ -21,7 +21,7 @@ from exaserve_hpc.gateway.router_client import RouterClient
 from exaserve_hpc.gateway.app import create_app
 from exaserve_hpc.peer_guard import PeerGuard
 
-from tests.unit.scheduler.test_controller import MODEL, FakeAgent, context, make_controller, wait_for  # noqa: F401 (fixtures)
+from tests.unit.controller.test_controller import MODEL, FakeAgent, context, make_controller, wait_for  # noqa: F401 (fixtures)
 
 
 def bad_heartbeat(agent_id: str, replica_id: str) -> AgentHeartbeat:
