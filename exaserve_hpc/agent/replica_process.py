@@ -190,3 +190,30 @@ def parse_status_line(line: str) -> StatusLine:
         return ReplicaState(parts[0]), (parts[2] if len(parts) > 2 else "")
     except (ValueError, IndexError):
         return None
+
+
+class PipeProcesses:
+    """Replica processes as the node agent runs them (agent/core.py's ReplicaProcesses): `spawn` above, and
+    each process's state lines read from its status pipe without blocking."""
+
+    def spawn(self, slot: ReplicaSlot, node: str, weights_dir: str, source: str, env: dict[str, str]) -> None:
+        spawn(slot, node, weights_dir, source, env)
+
+    def read_status(self, slot: ReplicaSlot) -> list[str]:
+        if slot.status_fd < 0:
+            return []
+        try:
+            data = os.read(slot.status_fd, 65536)
+        except BlockingIOError:
+            return []
+        if not data:  # writer closed: the process is exiting
+            self.close(slot)
+            return []
+        slot.partial += data
+        *lines, slot.partial = slot.partial.split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+    def close(self, slot: ReplicaSlot) -> None:
+        if slot.status_fd >= 0:
+            os.close(slot.status_fd)
+            slot.status_fd = -1
