@@ -2,10 +2,11 @@
 
 One event heap in simulated seconds; nothing reads the wall clock, opens a socket or starts a thread.
 - The controller is `controller.core.ControllerCore` (no socket, no thread) with the simulation's clock:
-  agents' hellos, heartbeats and replica events go to `Controller.handle`, `Controller.tick` runs every
-  `scheduler.tick_interval`, and what it leaves in the fleet's outbox (StartReplica, StopReplica) goes to
-  the simulated agents (fleet.py). Placement, autoscaling, rebalancing, failover, the OOM guard's tick and
-  scale-down choices are therefore the running code's.
+  agents' hellos, heartbeats and replica events go to its `handle`, its `tick` runs every
+  `scheduler.tick_interval`, and its effects (StartReplica, StopReplica) go to the simulated nodes
+  (fleet.py), each running the node agent's own core (agent/core.py) with simulated processes and weight
+  loads. Placement, autoscaling, rebalancing, failover, the OOM guard's tick, scale-down choices and the
+  agents' reservations and replica lifecycles are therefore the running code's.
 - The routers are `router.dispatch.Dispatcher`s with the site's policy and settings, `router.count` of
   them (or `routers`) sharing the fleet as in a real job, each behind one thread that spends
   `router_cost` seconds of CPU per request, `router_chunk_cost` per token chunk a real replica would stream
@@ -31,8 +32,7 @@ from typing import Callable, Optional
 from exaserve_hpc.config.schema import SiteConfig
 from exaserve_hpc.engine.timing import timings_for
 from exaserve_hpc.protocol import (
-    Abort, AgentHeartbeat, AgentHello, GenerateRequest, GpuInfo, MemoryPoolStatus, ReplicaStats, RequestError,
-    StartReplica, StopReplica, TokenChunk
+    Abort, GenerateRequest, ReplicaStats, RequestError, TokenChunk
 )
 from exaserve_hpc.router.dispatch import GATEWAY
 from exaserve_hpc.router.dispatch_state import request_id_of
@@ -133,10 +133,7 @@ class Simulation:
             agent = self.agents.get(agent_id)
             if agent is None:
                 continue
-            if isinstance(message, StartReplica):
-                agent.on_start(message, self.now)
-            elif isinstance(message, StopReplica):
-                agent.on_stop(message, self.now)
+            agent.command(message, self.now)  # the node agent's core (agent/core.py) takes it
         if self.router.out:
             out, self.router.out = self.router.out, []
             self._send(out)
@@ -245,8 +242,7 @@ class Simulation:
     def _heartbeats(self, now: float) -> None:
         for agent in self.agents.values():
             if agent.alive:
-                agent.seq += 1
-                self.ctl.handle(agent.node, AgentHeartbeat(agent_id=agent.node, seq=agent.seq))
+                self.ctl.handle(agent.node, agent.heartbeat(now))
         self._flush()
         self.later(now + self.site.heartbeat.interval, self._heartbeats)
 
@@ -343,16 +339,11 @@ class Simulation:
 
     def _run(self) -> dict:
         self._gone_hits = [0, 0]
-        gpus = [GpuInfo(index=i, name=self.site.cluster.gpu_kind, memory_total=self.site.cluster.gpu_memory)
-                for i in range(self.site.cluster.gpus_per_node)]
-        mem = self.site.cluster.gpu_memory
-        pool = MemoryPoolStatus(block_size=1 << 30, total=[mem] * len(gpus), free=[mem] * len(gpus))
-        for h in self.agents:
-            self.ctl.handle(h, AgentHello(agent_id=h, hostname=h, pid=1, gpus=gpus, host_memory_total=1 << 40,
-                                          memory=pool))
+        for h, agent in self.agents.items():
+            self.ctl.handle(h, agent.hello(0.0))
         self._flush()
         # Requests start once the first placement serves: the run begins from a serving fleet (later starts
-        # take SimAgent.load_seconds); otherwise the autoscaler would scale the idle fleet down first.
+        # take the simulated L2 fill and engine start, sim/fleet.py); otherwise the autoscaler would scale the idle fleet down first.
         start = self.warm_until + 2.0
         self.t0 = start
         it = arrivals(self.workload, self.duration, seed=self.seed)
