@@ -20,7 +20,7 @@ from exaserve_hpc.agent.memory_pool import MemoryPool
 from exaserve_hpc.agent.replica_process import ReplicaSlot
 from exaserve_hpc.agent.weight_loader import FillResult, Ticket
 from exaserve_hpc.engine.timing import GpuTimings
-from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, ReplicaBye, ReplicaHello
+from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, ReplicaBye, ReplicaHello, StartReplica
 from exaserve_hpc.controller.catalogue import ModelSpec
 from exaserve_hpc.sim.replica import SimReplica
 
@@ -184,11 +184,11 @@ class SimAgent:
         """A message from the controller, as the node agent's loop hands it to its core."""
         if not self.alive:
             return
-        stage = getattr(message, "stage", None)
-        if stage is not None and stage.rank > 0:
-            return  # a later pipeline stage: stage 0's process stands for the whole replica here
-        if getattr(message, "settings", None) is not None:  # a StartReplica: restarted elsewhere (a pipeline
-            self.sim.drop_copy(message.replica_id)  # replica whose other stage's node died)
+        if isinstance(message, StartReplica):
+            if message.stage is not None and message.stage.rank > 0:
+                return  # a later pipeline stage: stage 0's process stands for the whole replica here
+            self.sim.drop_copy(message.replica_id)  # restarted elsewhere (a pipeline replica whose other
+            #                                        stage's node died)
         self.core.handle(message)
         self.pump(now)
 
