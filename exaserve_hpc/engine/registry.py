@@ -86,11 +86,10 @@ class UnknownEngine(ValueError):
 RESERVED_ENV = "EXASERVE_RESERVED_BYTES_PER_DEVICE"
 
 
-def _engine_class(where: str) -> type:
-    """An engine class by "module:class", imported when a replica first builds it: listing the engines
+def _engine_class(module: str, name: str) -> type:
+    """An engine class by module and name, imported when a replica first builds it: listing the engines
     (the site schema, the agent's sizing) loads none of them, and a missing optional package fails only
     the replica that asks for its engine."""
-    module, _, name = where.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -119,12 +118,13 @@ def _batching(replica: "StartReplica", **extra) -> dict[str, Any]:
 
 def _build_echo(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
     s = replica.settings
-    return _engine_class("exaserve_hpc.engine.echo:EchoEngine")(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
-                      **_options(replica, integers=("tokens_per_step",), floats=("step_delay",)))
+    echo = _engine_class("exaserve_hpc.engine.echo", "EchoEngine")
+    return echo(max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len,
+                **_options(replica, integers=("tokens_per_step",), floats=("step_delay",)))
 
 
 def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    ReferenceEngine = _engine_class("exaserve_hpc.engine.reference:ReferenceEngine")
+    ReferenceEngine = _engine_class("exaserve_hpc.engine.reference", "ReferenceEngine")
     kwargs = _batching(replica, **_options(replica, integers=KV_OPTIONS), **extra)
     if isinstance(weights, tuple):
         return ReferenceEngine.from_weights(*weights, **kwargs)
@@ -132,7 +132,8 @@ def _build_reference(replica: "StartReplica", weights: Weights, **extra) -> "Eng
 
 
 def _build_timing(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    return _engine_class("exaserve_hpc.engine.timing:TimingEngine")(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
+    timing = _engine_class("exaserve_hpc.engine.timing", "TimingEngine")
+    return timing(**_batching(replica, **_options(replica, integers=KV_OPTIONS), **extra))
 
 
 def reserved_bytes_per_device(replica: "StartReplica") -> int:
@@ -149,7 +150,7 @@ def reserved_bytes_per_device(replica: "StartReplica") -> int:
 
 
 def _build_trtllm(replica: "StartReplica", weights: Weights, **extra) -> "Engine":
-    TrtLlmEngine = _engine_class("exaserve_hpc.engine.trtllm_backend:TrtLlmEngine")
+    TrtLlmEngine = _engine_class("exaserve_hpc.engine.trtllm_backend", "TrtLlmEngine")
     s = replica.settings
     options = _options(replica, integers=("block_size", "pipeline_parallel_size"), floats=("gpu_memory_utilization",))
     devices, pp = max(1, replica.devices), options.get("pipeline_parallel_size", 1)

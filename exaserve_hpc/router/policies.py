@@ -15,26 +15,26 @@ if TYPE_CHECKING:
     from exaserve_hpc.config.schema import BatchingConfig, RouterConfig
     from exaserve_hpc.router.balancing import RoutingPolicy
 
-# name -> "module:class"; the class's `name` attribute must be its key (checked on first use)
-POLICIES: dict[str, str] = {
-    "round_robin": "exaserve_hpc.router.balancing:RoundRobin",
-    "least_load": "exaserve_hpc.router.balancing:LeastLoad",
-    "least_tokens": "exaserve_hpc.router.balancing:LeastTokens",
-    "power_of_two": "exaserve_hpc.router.balancing:PowerOfTwo",
-    "prefix_affinity": "exaserve_hpc.router.affinity:PrefixAffinity",
-    "random": "exaserve_hpc.router.random_choice:RandomChoice",
+# name -> (module, class); the class's `name` attribute must be its key (checked on first use)
+POLICIES: dict[str, tuple[str, str]] = {
+    "round_robin": ("exaserve_hpc.router.balancing", "RoundRobin"),
+    "least_load": ("exaserve_hpc.router.balancing", "LeastLoad"),
+    "least_tokens": ("exaserve_hpc.router.balancing", "LeastTokens"),
+    "power_of_two": ("exaserve_hpc.router.balancing", "PowerOfTwo"),
+    "prefix_affinity": ("exaserve_hpc.router.affinity", "PrefixAffinity"),
+    "random": ("exaserve_hpc.router.random_choice", "RandomChoice"),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
 def policy_class(name: str) -> "type[RoutingPolicy]":
     try:
-        module, _, attribute = POLICIES[name].partition(":")
+        module, attribute = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
     cls = getattr(importlib.import_module(module), attribute)
     if cls.name != name:
-        raise RuntimeError(f"routing policy {name!r} is registered as {POLICIES[name]}, whose name is {cls.name!r}")
+        raise RuntimeError(f"routing policy {name!r} is registered as {module}.{attribute}, whose name is {cls.name!r}")
     return cls
 
 

@@ -11,6 +11,7 @@ Two checks, both over every module of exaserve_hpc:
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,22 @@ def test_a_contract_breach_is_reported(tmp_path):
     done = subprocess.run([str(lint), "--no-cache", str(tmp_path / "swapped.ini")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0 and "exaserve_hpc.app" in done.stdout
+
+
+def test_every_site_setting_is_read_outside_the_schema():
+    """The wiring check's second list, for the schema's new home (config/schema.py): a field nothing outside
+    the schema reads is a setting the running system ignores. A field a config method (not a validator) reads
+    counts as read: properties derive from it."""
+    schema = PACKAGE / "config" / "schema.py"
+    tree = ast.parse(schema.read_text())
+    others = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p != schema)
+    derived = {n.attr for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and "validator" not in " ".join(ast.unparse(d) for d in fn.decorator_list)
+               for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+    fields = [(cls.name, stmt.target.id) for cls in tree.body if isinstance(cls, ast.ClassDef) for stmt in cls.body
+              if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+              and not stmt.target.id.startswith("_") and stmt.target.id != "model_config"]
+    assert len(fields) > 100  # the check looks at the real schema
+    unread = [f"{cls}.{name}" for cls, name in fields
+              if name not in derived and not re.search(rf"\.{name}\b|[\"']{name}[\"']", others)]
+    assert not unread, f"settings nothing reads: {unread}"
