@@ -8,7 +8,7 @@ Every router kind implements it, so nothing probes a router with getattr:
     SimRouters    the simulator's routers in simulated time (sim/routers.py)
 
 A RouterGroup's members are RouterPorts too (ZmqRouter or RemoteRouter), which is how the group fans the
-controller's news out and asks whether any still routes. `launcher/router_rank.RankRouter` is not a router
+controller's news out and asks whether any still routes. `app/router_rank.RankRouter` is not a router
 kind: it is rank k's service running a ZmqRouter and its gateway. Tests' stand-ins subclass `RouterPortStub`.
 """
 
