@@ -1,4 +1,4 @@
-"""`exaserve keys add GROUP` and `exaserve usage`: the quota commands (registered in exaserve_hpc/cli.py)."""
+"""`exaserve keys add GROUP` and `exaserve usage`: the quota commands (registered in cli/main.py)."""
 
 from __future__ import annotations
 
