@@ -16,6 +16,15 @@ prefill_pairs, decode_seqs, decode_context_tokens, seconds: one row a step,
 e.g. from vLLM's scheduler stats) and prints the fit beside the datasheet
 roofline ``GPU_TIMINGS[--gpu]`` (engine/gpu_specs.py), constant by constant,
 so a measured machine replaces the roofline with evidence.
+
+    calibrate_timing.py --published [--max-ratio 1.5]
+
+puts the datasheet model (engine/gpu_specs.replica_roofline: GEMMs at the FP8 or FP16 peak, attention from
+its FLOPs, HBM reads in the weights' and KV cache's dtypes, tensor-parallel all-reduces over NVLink)
+against published offline throughput of Llama 8B, 70B and 405B on H100, H200 and A100
+(benchmarks/published_figures.py: TensorRT-LLM's perf-overview tables, sources there): the model's
+steady-state throughput for the same input/output lengths, tensor parallelism and precision, its ratio to
+the published figure, and the spread; exit 1 when a row is off by more than --max-ratio either way.
 """
 
 from __future__ import annotations
@@ -41,7 +50,11 @@ sys.path.insert(0, str(ROOT))
 from exaserve_hpc.cache.checkpoint import TinyModelSpec, create_tiny_checkpoint, load_checkpoint  # noqa: E402
 from exaserve_hpc.engine.base import EngineRequest  # noqa: E402
 from exaserve_hpc.engine.reference import ReferenceEngine  # noqa: E402
-from exaserve_hpc.engine.timing import GPU_TIMINGS, StepSample, fit_timings  # noqa: E402
+from exaserve_hpc.engine.gpu_specs import GPU_SPECS, MODEL_SHAPES, replica_roofline  # noqa: E402
+from exaserve_hpc.engine.timing import GPU_TIMINGS, GpuTimings, StepSample, fit_timings  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from published_figures import PUBLISHED, Published  # noqa: E402
 
 FIELDS = ("step_overhead_s", "prefill_per_token_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_pair_s")
 
@@ -65,6 +78,58 @@ def compare(samples: list[StepSample], gpu: str, kv_bytes: int) -> int:
     errors = [abs(model.seconds(s) - s.seconds) / s.seconds for s in samples]
     print(f"roofline against the {len(samples)} measured steps: median relative error {statistics.median(errors):.1%}")
     return 0
+
+
+# The offline benchmark's engine settings, as trtllm-bench uses them (perf-overview.md): a step takes at most
+# 8,192 tokens (max_num_tokens), the KV cache gets 90% of what the weights leave, and a sequence keeps the
+# KV of its whole input and output from admission on (the guaranteed-no-evict scheduler).
+STEP_TOKEN_BUDGET = 8192
+KV_SHARE_OF_FREE = 0.90
+MAX_BATCH = 2048  # max_batch_size (trtllm-bench's heuristics pick 2,048-4,096 for these runs)
+
+
+def offline_throughput(t: GpuTimings, isl: int, osl: int, kv_tokens: float, max_batch: int = MAX_BATCH,
+                       budget: int = STEP_TOKEN_BUDGET) -> tuple[float, str]:
+    """Output tokens/s of an engine with timings `t` given every request at once (steady state): r requests
+    start and finish a step, r x osl sequences decode (Little's law) and r x isl prompt tokens prefill in
+    it, r bounded by the batch, the KV cache and the step's token budget. Returns (tokens/s, the bound)."""
+    bounds = {"batch": max_batch / osl, "kv cache": kv_tokens / (isl + osl) / osl, "token budget": budget / (isl + osl)}
+    bound = min(bounds, key=bounds.get)
+    r = bounds[bound]
+    decoding, prefill = r * osl, r * isl
+    step = (t.step_overhead_s + decoding * t.decode_per_seq_s + decoding * (isl + osl / 2) * t.kv_read_per_token_s
+            + prefill * t.prefill_per_token_s + r * isl * (isl + 1) / 2 * t.prefill_per_pair_s)
+    return decoding / step, bound
+
+
+def model_figure(row: Published) -> tuple[float, str]:
+    gpu, shape = GPU_SPECS[row.gpu], MODEL_SHAPES[row.model]
+    weights = "fp8" if row.precision == "fp8" else "bf16"
+    timings = GpuTimings(**replica_roofline(gpu, shape, tp=row.tp, weights=weights, kv_cache=weights))
+    weight_bytes = shape.params * (1 if weights == "fp8" else 2)
+    free = row.tp * gpu.memory_gb * (1 << 30) - weight_bytes
+    return offline_throughput(timings, row.isl, row.osl, KV_SHARE_OF_FREE * free / timings.kv_bytes_per_token)
+
+
+def check_published(max_ratio: float) -> int:
+    print(f"{'model':<15} {'gpu':<10} {'prec':<5} {'tp':>2} {'isl/osl':>10} {'published':>10} {'model':>10} "
+          f"{'model/pub':>9}  bound")
+    ratios, worst = [], None
+    for row in PUBLISHED:
+        figure, bound = model_figure(row)
+        ratio = figure / row.tokens_per_s
+        ratios.append(ratio)
+        if worst is None or abs(np.log(ratio)) > abs(np.log(worst[0])):
+            worst = (ratio, row)
+        flag = "" if 1 / max_ratio <= ratio <= max_ratio else "  <-- off"
+        print(f"{row.model:<15} {row.gpu:<10} {row.precision:<5} {row.tp:>2} {f'{row.isl}/{row.osl}':>10} "
+              f"{row.tokens_per_s:>10.0f} {figure:>10.0f} {ratio:>9.2f}  {bound}{flag}")
+    off = [r for r in ratios if not 1 / max_ratio <= r <= max_ratio]
+    print(f"{len(ratios)} published figures ({', '.join(sorted({r.source for r in PUBLISHED}))}): model/published "
+          f"median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}; "
+          f"{len(ratios) - len(off)} within {max_ratio:g}x; worst {worst[0]:.2f} ({worst[1].model} {worst[1].gpu} "
+          f"{worst[1].precision} tp{worst[1].tp} {worst[1].isl}/{worst[1].osl})")
+    return 1 if off else 0
 
 
 def timed_step(engine: ReferenceEngine) -> float:
@@ -110,7 +175,12 @@ def main() -> int:
     parser.add_argument("--samples", help="CSV of a real engine's measured steps (see the module docstring)")
     parser.add_argument("--gpu", default="h200", help="the GPU_TIMINGS kind to compare --samples with")
     parser.add_argument("--kv-bytes-per-token", type=int, default=131072)
+    parser.add_argument("--published", action="store_true",
+                        help="the datasheet model against published throughput (benchmarks/published_figures.py)")
+    parser.add_argument("--max-ratio", type=float, default=1.5)
     args = parser.parse_args()
+    if args.published:
+        return check_published(args.max_ratio)
     if args.samples:
         return compare(read_samples(args.samples), args.gpu, args.kv_bytes_per_token)
     spec = TinyModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,

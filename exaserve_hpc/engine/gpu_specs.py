@@ -53,6 +53,8 @@ class GpuSpec:
     hbm_bytes_per_s: float
     memory_gb: float
     source: str
+    dense_fp8_flops: float = 0.0   # FLOP/s; 0: no FP8 tensor cores (A100: FP8 runs as FP16)
+    nvlink_bytes_per_s: float = 0.0  # one direction, per GPU (half the datasheet's bidirectional total)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
+    hidden: int = 4096  # the residual stream: what a tensor-parallel all-reduce carries per token
 
     @property
     def flops_per_token(self) -> float:
@@ -82,15 +85,20 @@ class ModelShape:
 
 
 GPU_SPECS: dict[str, GpuSpec] = {
-    "h100-sxm": GpuSpec(989e12, 3.35e12, 80, "NVIDIA H100 datasheet (SXM5)"),
-    "h200": GpuSpec(989e12, 4.8e12, 141, "NVIDIA H200 datasheet (SXM)"),
-    "gh200": GpuSpec(989e12, 4.0e12, 96, "NVIDIA GH200 datasheet (96 GB HBM3)"),
-    "a100-80gb": GpuSpec(312e12, 2.039e12, 80, "NVIDIA A100 datasheet (SXM 80 GB)"),
+    # FP8 dense: 1,979 TFLOP/s on Hopper (3,958 "with sparsity"); NVLink 4: 900 GB/s a GPU, both directions
+    "h100-sxm": GpuSpec(989e12, 3.35e12, 80, "NVIDIA H100 datasheet (SXM5)", 1979e12, 450e9),
+    "h200": GpuSpec(989e12, 4.8e12, 141, "NVIDIA H200 datasheet (SXM)", 1979e12, 450e9),
+    "gh200": GpuSpec(989e12, 4.0e12, 96, "NVIDIA GH200 datasheet (96 GB HBM3)", 1979e12, 450e9),
+    # NVLink 3: 600 GB/s a GPU, both directions; no FP8 tensor cores
+    "a100-80gb": GpuSpec(312e12, 2.039e12, 80, "NVIDIA A100 datasheet (SXM 80 GB)", 0.0, 300e9),
     "mi250x-gcd": GpuSpec(191.5e12, 1.6e12, 64, "AMD MI250X data sheet, one of two GCDs"),
 }
 
-LLAMA3_8B = ModelShape("Llama-3-8B", 8.03e9, layers=32, heads=32, kv_heads=8, head_dim=128)
-LLAMA3_70B = ModelShape("Llama-3-70B", 70.6e9, layers=80, heads=64, kv_heads=8, head_dim=128)
+LLAMA3_8B = ModelShape("Llama-3-8B", 8.03e9, layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096)
+LLAMA3_70B = ModelShape("Llama-3-70B", 70.6e9, layers=80, heads=64, kv_heads=8, head_dim=128, hidden=8192)
+# Llama 3.1 405B: 126 layers, 128 query heads, 8 K/V heads of 128, hidden 16,384 (its config.json)
+LLAMA31_405B = ModelShape("Llama-3.1-405B", 405.8e9, layers=126, heads=128, kv_heads=8, head_dim=128, hidden=16384)
+MODEL_SHAPES = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, LLAMA31_405B)}
 
 GEMM_EFFICIENCY = 0.55
 ATTENTION_EFFICIENCY = 0.40
@@ -98,9 +106,17 @@ BANDWIDTH_EFFICIENCY = 0.80
 STEP_LAUNCH_S = 0.5e-3
 
 
+# Tensor parallelism adds two all-reduces of the residual stream per layer (after attention and after the
+# MLP; Megatron-LM's split, Shoeybi et al. 2019, which TensorRT-LLM and vLLM use). A ring all-reduce moves
+# 2 (tp - 1) / tp of the message over each GPU's NVLink; small messages are latency bound.
+ALLREDUCE_BANDWIDTH_EFFICIENCY = 0.70  # nccl-tests all_reduce bus bandwidth reaches ~70-80% of NVLink's
+ALLREDUCE_LATENCY_S = 8e-6  # one small all-reduce (assumption: NCCL's ring on one NVLink node is ~10-20 us;
+#                             TensorRT-LLM's one-shot custom all-reduce kernel a few us)
+
+
 def roofline(gpu: GpuSpec, model: ModelShape = LLAMA3_8B, gpus: int = 1) -> dict[str, float]:
-    """The timing constants (GpuTimings' fields) of ``model`` on ``gpus`` GPUs of kind ``gpu``
-    (tensor parallel: compute and bandwidth divided among them, communication not counted)."""
+    """The timing constants (GpuTimings' fields) of ``model`` in bf16 on ``gpus`` GPUs of kind ``gpu``
+    (tensor parallel, without its communication: replica_roofline counts that)."""
     flops, bandwidth = gpu.dense_fp16_flops * gpus, gpu.hbm_bytes_per_s * gpus * BANDWIDTH_EFFICIENCY
     per_token = model.flops_per_token / (flops * GEMM_EFFICIENCY)
     return dict(step_overhead_s=STEP_LAUNCH_S + model.weight_bytes / bandwidth,
@@ -109,3 +125,40 @@ def roofline(gpu: GpuSpec, model: ModelShape = LLAMA3_8B, gpus: int = 1) -> dict
                 kv_read_per_token_s=model.kv_bytes_per_token / bandwidth,
                 prefill_per_pair_s=model.flops_per_pair / (flops * ATTENTION_EFFICIENCY),
                 kv_bytes_per_token=model.kv_bytes_per_token)
+
+
+def replica_roofline(gpu: GpuSpec, model: ModelShape, tp: int = 1, pp: int = 1, weights: str = "bf16",
+                     kv_cache: str = "bf16") -> dict[str, float]:
+    """GpuTimings' fields for one replica of ``model`` split tp x pp over GPUs of kind ``gpu``.
+
+    - GEMMs: 2 x params FLOP a token, at the FP8 peak with FP8 weights (where the GPU has FP8 tensor
+      cores; W8A8, as TensorRT-LLM's FP8 checkpoints run), else the FP16 one, divided among the tp GPUs.
+    - Attention: 4 x layers x query heads x head_dim FLOP a causal (query, key) pair, divided among tp (each
+      GPU holds heads / tp); the K/V dtype changes the bytes read, not the arithmetic.
+    - HBM: the weights once a step and each decode's K/V, in their dtypes, over tp GPUs' bandwidth.
+    - Tensor parallel: two all-reduces of hidden x 2 bytes a token per layer, 2 (tp - 1) / tp of it over each
+      GPU's NVLink, plus a latency per all-reduce per step.
+    - Pipeline parallel: stages run in series, so a step's latency is the whole model's on one stage's tp
+      GPUs plus a hop per stage boundary; the pp stages add memory, not speed. Micro-batching (pp batches
+      in flight, as TensorRT-LLM and vLLM do) is not modelled: a PP replica's throughput is understated by
+      up to pp times, its latency is not.
+    """
+    fp8_weights = weights == "fp8" and gpu.dense_fp8_flops > 0
+    flops = (gpu.dense_fp8_flops if fp8_weights else gpu.dense_fp16_flops) * tp
+    attention_flops = gpu.dense_fp16_flops * tp
+    bandwidth = gpu.hbm_bytes_per_s * tp * BANDWIDTH_EFFICIENCY
+    weight_bytes = model.params * (1 if weights in ("fp8", "int8") else 0.5 if weights == "int4" else 2)
+    kv_bytes = model.kv_bytes_per_token // (2 if kv_cache == "fp8" else 1)
+    per_token = model.flops_per_token / (flops * GEMM_EFFICIENCY)
+    if tp > 1 and gpu.nvlink_bytes_per_s:
+        moved = 2 * model.layers * model.hidden * 2 * 2 * (tp - 1) / tp
+        per_token += moved / (gpu.nvlink_bytes_per_s * ALLREDUCE_BANDWIDTH_EFFICIENCY)
+    latency = STEP_LAUNCH_S + (2 * model.layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0) \
+        + (pp - 1) * STAGE_HOP_S
+    return dict(step_overhead_s=latency + weight_bytes / bandwidth, prefill_per_token_s=per_token,
+                decode_per_seq_s=per_token, kv_read_per_token_s=kv_bytes / bandwidth,
+                prefill_per_pair_s=model.flops_per_pair / (attention_flops * ATTENTION_EFFICIENCY),
+                kv_bytes_per_token=kv_bytes)
+
+
+STAGE_HOP_S = 20e-6  # activations from one pipeline stage to the next (NVLink or InfiniBand send/recv)
