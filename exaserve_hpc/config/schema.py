@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from exaserve_hpc.engine.gpu_specs import ARCHITECTURES
 from exaserve_hpc.engine.registry import ENGINE_NAMES, engine_publishes_kv_events, engine_spec, unavailable_engines
 from exaserve_hpc.router.policies import POLICY_NAMES
 from exaserve_hpc.config.bounds import ConfigFileError, load_yaml, oversized_numbers, read_config_text
@@ -133,6 +134,9 @@ class ModelConfig(_Section):
     kv_cache_dtype: Literal["fp16", "fp8"] = "fp16"
     priority: int = Field(0, ge=0, le=100)  # configured importance; higher is kept longer
     weight_bytes: Optional[Size] = None  # for placement of models without a local checkpoint
+    # The model's shape (engine/gpu_specs.py ARCHITECTURES): the simulator and the timing model cost its
+    # steps from it (attention FLOPs, all-reduces, HBM reads); None: scaled from an 8B model by weight size
+    architecture: Optional[Literal[tuple(ARCHITECTURES)]] = None
     kv_bytes_per_token: Optional[Size] = None
     demand_weight: float = Field(1.0, gt=0)
     # None: every caller sees the model; else only these quota groups (404 and absent from /v1/models for others)

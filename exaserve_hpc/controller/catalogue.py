@@ -41,6 +41,8 @@ class ModelSpec:
     replicas: int  # wanted at start
     min_replicas: int
     max_batch_size: int
+    architecture: Optional[str] = None  # engine/gpu_specs.ARCHITECTURES key: how its steps are costed
+    kv_cache_dtype: str = "fp16"
 
     @property
     def devices_per_replica(self) -> int:
@@ -106,6 +108,8 @@ def spec_from_config(site: SiteConfig, model: ModelConfig) -> ModelSpec:
         replicas=site.initial_replicas(model),
         min_replicas=site.min_replicas(model),
         max_batch_size=site.max_batch_size(model),
+        architecture=model.architecture,
+        kv_cache_dtype=model.kv_cache_dtype,
     )
 
 

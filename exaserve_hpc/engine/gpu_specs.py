@@ -98,7 +98,11 @@ LLAMA3_8B = ModelShape("Llama-3-8B", 8.03e9, layers=32, heads=32, kv_heads=8, he
 LLAMA3_70B = ModelShape("Llama-3-70B", 70.6e9, layers=80, heads=64, kv_heads=8, head_dim=128, hidden=8192)
 # Llama 3.1 405B: 126 layers, 128 query heads, 8 K/V heads of 128, hidden 16,384 (its config.json)
 LLAMA31_405B = ModelShape("Llama-3.1-405B", 405.8e9, layers=126, heads=128, kv_heads=8, head_dim=128, hidden=16384)
-MODEL_SHAPES = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, LLAMA31_405B)}
+# Mistral 7B v0.3: 32 layers, 32 query heads and 8 K/V heads of 128, hidden 4,096, 7.25e9 parameters
+MISTRAL_7B = ModelShape("Mistral-7B", 7.25e9, layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096)
+MODEL_SHAPES = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, LLAMA31_405B, MISTRAL_7B)}
+ARCHITECTURES = {"llama-3-8b": LLAMA3_8B, "llama-3-70b": LLAMA3_70B, "llama-3.1-405b": LLAMA31_405B,
+                 "mistral-7b": MISTRAL_7B}  # models[].architecture
 
 GEMM_EFFICIENCY = 0.55
 ATTENTION_EFFICIENCY = 0.40

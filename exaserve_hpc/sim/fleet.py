@@ -13,12 +13,14 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from exaserve_hpc.agent.core import AgentCore
 from exaserve_hpc.agent.gpu_binding import GpuGrant, GrantedGpu
 from exaserve_hpc.agent.memory_pool import MemoryPool
 from exaserve_hpc.agent.replica_process import ReplicaSlot
 from exaserve_hpc.agent.weight_loader import FillResult, Ticket
+from exaserve_hpc.engine.gpu_specs import ARCHITECTURES, GPU_SPECS, GpuSpec, replica_roofline
 from exaserve_hpc.engine.timing import GpuTimings
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, ReplicaBye, ReplicaHello, StartReplica
 from exaserve_hpc.controller.catalogue import ModelSpec
@@ -31,8 +33,18 @@ ENGINE_START_S = 20.0  # a replica process from start to serving (L2 -> L1 copy,
 WARM_START_S = 0.5  # each of fill and start for the initial placement: the run begins from a serving fleet
 
 
-def scaled_timings(base: GpuTimings, spec: ModelSpec) -> GpuTimings:
-    """The 8B/1-GPU constants scaled to a model's size and its GPUs (tensor/pipeline parallel split the work)."""
+def scaled_timings(base: GpuTimings, spec: ModelSpec, gpu: Optional[GpuSpec] = None) -> GpuTimings:
+    """A replica's step costs. With the model's architecture and a datasheet GPU: the replica's own roofline
+    (engine/gpu_specs.replica_roofline: attention from its FLOPs, tensor-parallel all-reduces, pipeline
+    stages in series, the weights' and KV cache's dtypes; checked against published figures by
+    benchmarks/calibrate_timing.py --published). Otherwise the 8B/1-GPU constants scaled by weight and K/V
+    bytes over the replica's GPUs (a coarse fallback: it counts pipeline stages as tensor parallel)."""
+    if spec.architecture is not None and gpu is not None:
+        shape = ARCHITECTURES[spec.architecture]
+        per_param = (spec.weight_bytes or shape.weight_bytes) / shape.params
+        weights = "bf16" if per_param >= 1.5 else "fp8" if per_param >= 0.75 else "int4"
+        return GpuTimings(**replica_roofline(gpu, shape, spec.tensor_parallel, spec.pipeline_parallel,
+                                             weights=weights, kv_cache="fp8" if spec.kv_cache_dtype == "fp8" else "bf16"))
     size = (spec.weight_bytes or REFERENCE_WEIGHT_BYTES) / REFERENCE_WEIGHT_BYTES / spec.devices_per_replica
     kv = (spec.kv_bytes_per_token or base.kv_bytes_per_token) / base.kv_bytes_per_token / spec.devices_per_replica
     return replace(base, step_overhead_s=base.step_overhead_s * size, prefill_per_token_s=base.prefill_per_token_s * size,
@@ -210,7 +222,7 @@ class SimAgent:
         msg = slot.spec
         kv_bytes = msg.memory_bytes * spec.devices_per_replica - (spec.weight_bytes or 0)  # every stage's GPUs
         replica = SimReplica(
-            slot.replica_id, msg.model, scaled_timings(self.sim.timings, spec), max_batch=spec.max_batch_size,
+            slot.replica_id, msg.model, scaled_timings(self.sim.timings, spec, GPU_SPECS.get(self.sim.site.cluster.gpu_kind)), max_batch=spec.max_batch_size,
             kv_tokens=int(kv_bytes // max(1, spec.kv_bytes_per_token or 131072)),
             block_tokens=self.sim.block_tokens(msg.model), chunk_tokens=self.sim.site.batching.prefill_chunk_tokens,
             step_tokens=STEP_TOKENS, gpus=tuple((self.node, g) for g in msg.gpu_indices) or ((self.node, 0),),
