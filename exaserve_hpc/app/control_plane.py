@@ -125,7 +125,7 @@ class PlaneSettings:
     across_nodes: bool = False              # a job's plane: peers on other nodes connect to it
     host: Optional[str] = None              # --host: the gateway's address, over gateway.interface/host
     port: Optional[int] = None              # --port: over gateway.port (0: any free port)
-    curve: Any = None                       # bootstrap.CurveKeys: CURVE router and controller
+    curve: Any = None                       # transport.CurveKeys: CURVE router and controller
     expected_agents: Optional[list[str]] = None
     agent_in_thread: bool = False           # rank 0 runs its node's agent in-process; serve starts a process
     node_index: int = 0

@@ -2,10 +2,12 @@
 
     srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 python -m exaserve_hpc.launcher --site S --job-dir D
 
-Rank 0 builds the control plane (app/control_plane.py, the same as `exaserve serve`): router, controller,
-gateway, and its own node's agent in a thread; every other rank runs its node's agent. The bootstrap
-(bootstrap.py) decides the role, exchanges inventories and publishes the controller's address and
-CURVE key in the job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
+What rank k runs is decided here (`cmd_launch`): rank 0 builds the control plane (app/control_plane.py, the
+same as `exaserve serve`): router, controller, gateway, and its own node's agent in a thread; ranks below
+`router.count` also run router k and its gateway (app/router_rank.py); under HA ranks below `ha.candidates`
+are controller candidates (app/ha_rank.py); every other rank runs its node's agent (app/agents.py). The
+bootstrap (bootstrap.py) exchanges inventories and publishes the controller's address and CURVE key in the
+job directory; after it, ranks only talk ZeroMQ, so a lost rank stops nobody.
 Everything about the batch system (rank, job id, end time, requeue, more nodes) comes from batch/.
 
 Stopping: SIGTERM (scancel, preemption) and SIGUSR1 (Slurm's warning before the time limit) are a
