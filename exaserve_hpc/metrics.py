@@ -140,6 +140,14 @@ NODES_LOST = Counter(
     "are then placed elsewhere (a failover).",
     registry=REGISTRY,
 )
+
+CONTROLLER_ORDERS = Counter(
+    "exaserve_controller_orders_total",
+    "Orders the controller sent to node agents, by kind (StartReplica, StopReplica, Prefetch, Shutdown, "
+    "StageTable; heartbeat acknowledgements are not orders): a start storm or a stop loop shows here.",
+    ["order"],
+    registry=REGISTRY,
+)
 OOM_EVICTIONS = Counter(
     "exaserve_oom_evictions_total",
     "Replicas the OOM guard stopped because their node ran short of device memory.",

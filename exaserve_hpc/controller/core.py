@@ -174,7 +174,12 @@ class ControllerCore:
         controller is not surely the leader (ha/): a deposed leader's orders never reach an agent."""
         with self.fleet.lock:
             out = self.fleet.take_outbox()
-        return out if self.acting() else []
+        if not self.acting():
+            return []
+        for _, message in out:
+            if not isinstance(message, HeartbeatAck):
+                metrics.CONTROLLER_ORDERS.labels(type(message).__name__).inc()
+        return out
 
     # ---------------------------------------------------------------- messages
 

@@ -86,3 +86,19 @@ def test_a_controller_that_is_not_surely_the_leader_hands_out_nothing(tmp_path):
     with core.fleet.lock:
         core.shut_down_fleet(5.0)
     assert core.take_effects() == [("n1", Shutdown(drain_timeout=5.0))]
+
+
+def test_the_orders_it_hands_out_are_counted_by_kind(tmp_path):
+    from exaserve_hpc import metrics
+
+    def count(order):
+        return metrics.REGISTRY.get_sample_value("exaserve_controller_orders_total", {"order": order}) or 0.0
+
+    starts, acks = count("StartReplica"), count("HeartbeatAck")
+    core = ControllerCore(site(tmp_path), Router(), clock=lambda: 100.0, placement_grace=0)
+    with core.fleet.lock:
+        core.handle("n1", hello("n1"))
+        core.handle("n1", AgentHeartbeat(agent_id="n1", seq=1))
+    sent = core.take_effects()
+    assert count("StartReplica") - starts == len(starts_of := [m for _, m in sent if isinstance(m, StartReplica)])
+    assert starts_of and count("HeartbeatAck") == acks  # an acknowledgement is not an order
