@@ -215,14 +215,15 @@ class AgentCore:
         for replica_id in list(self.replicas):
             self.stop(replica_id, drain_timeout)
 
-    def controller_lost(self) -> bool:
-        """The controller has been silent past controller_timeout: stop every replica and exit with
-        EXIT_CONTROLLER_LOST (True the first time it is noticed)."""
+    def controller_lost(self, controller: str = "") -> bool:
+        """The controller (at `controller`, for the log) has been silent past controller_timeout: stop every
+        replica and exit with EXIT_CONTROLLER_LOST (True the first time it is noticed)."""
         now = self.clock()
         if not self.controller_timeout or self.shutting_down or now - self.controller_heard <= self.controller_timeout:
             return False
-        log.error("no word from the controller for %.0fs (heartbeat.controller_timeout); stopping %d replica(s) "
-                  "and exiting", now - self.controller_heard, len(self.replicas))
+        log.error("no word from the controller%s for %.0fs (heartbeat.controller_timeout); stopping %d replica(s) "
+                  "and exiting", f" at {controller}" if controller else "", now - self.controller_heard,
+                  len(self.replicas))
         self.exit_code = EXIT_CONTROLLER_LOST
         self.shutdown(5.0)
         return True

@@ -182,8 +182,7 @@ class NodeAgent:
                     self._heartbeat()
                     next_heartbeat = now + self.heartbeat_interval
                     core.heartbeat_due = False
-                if core.controller_lost():
-                    log.error("the controller at %s is gone", self.controller)
+                if core.controller_lost(self.controller):
                     self._flush()
                 if core.shutting_down and core.all_done():
                     self._heartbeat()
