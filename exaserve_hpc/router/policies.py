@@ -23,6 +23,11 @@ POLICIES: dict[str, tuple[str, str]] = {
     "power_of_two": ("exaserve_hpc.router.balancing", "PowerOfTwo"),
     "prefix_affinity": ("exaserve_hpc.router.affinity", "PrefixAffinity"),
     "random": ("exaserve_hpc.router.random_choice", "RandomChoice"),
+    # the field's routers, each as its upstream ships it (the module docstrings cite the sources): the
+    # baselines benchmarks/bench_router_trace.py measures prefix_affinity against, and usable by a site
+    "sglang_cache_aware": ("exaserve_hpc.router.sglang_cache_aware", "SGLangCacheAware"),
+    "llmd_scheduler": ("exaserve_hpc.router.llmd_scheduler", "LlmdScheduler"),
+    "dynamo_kv": ("exaserve_hpc.router.dynamo_kv", "DynamoKvRouter"),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
