@@ -184,8 +184,14 @@ def llm_args(model_dir: str | os.PathLike, *, tensor_parallel_size: int = 1,
     if dtype is not None:
         args["dtype"] = dtype
     if chunked_prefill:
-        args["max_num_tokens"] = prefill_chunk_tokens + max_batch_size
+        args["max_num_tokens"] = step_token_budget(prefill_chunk_tokens, max_batch_size)
     return args
+
+
+def step_token_budget(prefill_chunk_tokens: int, max_batch_size: int) -> int:
+    """Tokens one TensorRT-LLM iteration computes at most (its max_num_tokens) as this backend sets it: one
+    prefill chunk plus a decode token for every sequence. The simulator's replicas take the same budget."""
+    return prefill_chunk_tokens + max_batch_size
 
 
 def llm_args_from_config(model_dir: str | os.PathLike, model, batching) -> dict[str, Any]:

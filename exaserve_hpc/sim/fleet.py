@@ -22,12 +22,12 @@ from exaserve_hpc.agent.replica_process import ReplicaSlot
 from exaserve_hpc.agent.weight_loader import FillResult, Ticket
 from exaserve_hpc.engine.gpu_specs import ARCHITECTURES, GPU_SPECS, GpuSpec, replica_roofline
 from exaserve_hpc.engine.timing import GpuTimings
+from exaserve_hpc.engine.trtllm_backend import step_token_budget
 from exaserve_hpc.protocol import AgentHeartbeat, AgentHello, GpuInfo, L2Status, ReplicaBye, ReplicaHello, StartReplica
 from exaserve_hpc.controller.catalogue import ModelSpec
-from exaserve_hpc.sim.replica import SimReplica
+from exaserve_hpc.sim.replica import SharedGpus, SimReplica
 
 REFERENCE_WEIGHT_BYTES = 16e9  # GpuTimings are for an 8B-parameter fp16 model on one GPU (engine/timing.py)
-STEP_TOKENS = 8192  # prefill tokens per step across the batch (vLLM's max_num_batched_tokens default)
 L3_BYTES_PER_S = 2e9  # a node's read rate from the shared weight store into L2
 ENGINE_START_S = 20.0  # a replica process from start to serving (L2 -> L1 copy, engine build, warm-up)
 WARM_START_S = 0.5  # each of fill and start for the initial placement: the run begins from a serving fleet
@@ -50,6 +50,21 @@ def scaled_timings(base: GpuTimings, spec: ModelSpec, gpu: Optional[GpuSpec] = N
     return replace(base, step_overhead_s=base.step_overhead_s * size, prefill_per_token_s=base.prefill_per_token_s * size,
                    decode_per_seq_s=base.decode_per_seq_s * size, prefill_per_pair_s=base.prefill_per_pair_s * kv,
                    kv_read_per_token_s=base.kv_read_per_token_s * kv)
+
+
+def sim_replica(replica_id: str, spec: ModelSpec, batching, timings: GpuTimings, *, memory_bytes: int,
+                block_tokens: int, gpus: tuple, shared: SharedGpus, slow: float = 1.0,
+                progress_every: float = 10.0) -> SimReplica:
+    """A simulated replica of ``spec`` as the site deploys it, on GPUs that reserve ``memory_bytes`` each:
+    the model's batch size, the site's prefill chunk, the deployed engine's step budget
+    (engine/trtllm_backend.step_token_budget), KV in what the reservation leaves beside the weights.
+    The simulator's nodes and benchmarks/bench_router_trace.py both build their replicas here."""
+    kv_bytes = memory_bytes * spec.devices_per_replica - (spec.weight_bytes or 0)  # every stage's GPUs
+    return SimReplica(replica_id, spec.name, timings, max_batch=spec.max_batch_size,
+                      kv_tokens=int(kv_bytes // max(1, spec.kv_bytes_per_token or 131072)),
+                      block_tokens=block_tokens, chunk_tokens=batching.prefill_chunk_tokens,
+                      step_tokens=step_token_budget(batching.prefill_chunk_tokens, spec.max_batch_size),
+                      gpus=gpus, shared=shared, slow=slow, progress_every=progress_every)
 
 
 class SimProcess:
@@ -220,13 +235,11 @@ class SimAgent:
             return  # the node died meanwhile, or the process was stopped before it served
         spec = self.sim.catalogue[slot.spec.model]
         msg = slot.spec
-        kv_bytes = msg.memory_bytes * spec.devices_per_replica - (spec.weight_bytes or 0)  # every stage's GPUs
-        replica = SimReplica(
-            slot.replica_id, msg.model, scaled_timings(self.sim.timings, spec, GPU_SPECS.get(self.sim.site.cluster.gpu_kind)), max_batch=spec.max_batch_size,
-            kv_tokens=int(kv_bytes // max(1, spec.kv_bytes_per_token or 131072)),
-            block_tokens=self.sim.block_tokens(msg.model), chunk_tokens=self.sim.site.batching.prefill_chunk_tokens,
-            step_tokens=STEP_TOKENS, gpus=tuple((self.node, g) for g in msg.gpu_indices) or ((self.node, 0),),
-            shared=self.sim.gpus, slow=self.slow, progress_every=self.sim.progress_every)
+        replica = sim_replica(slot.replica_id, spec, self.sim.site.batching,
+                              scaled_timings(self.sim.timings, spec, GPU_SPECS.get(self.sim.site.cluster.gpu_kind)),
+                              memory_bytes=msg.memory_bytes, block_tokens=self.sim.block_tokens(msg.model),
+                              gpus=tuple((self.node, g) for g in msg.gpu_indices) or ((self.node, 0),),
+                              shared=self.sim.gpus, slow=self.slow, progress_every=self.sim.progress_every)
         if self.sim.router.follows_kv_events and self.sim._hasher is not None:
             replica.kv_log = []  # precise prefix routing: the routers follow its cache
         self.replicas[slot.replica_id] = replica

@@ -7,10 +7,17 @@ formula (step overhead, prefill tokens and attention pairs, decoding sequences, 
 - continuous batching: at most `max_batch` sequences; a step prefills chunks of the admitted prompts
   (`chunk_tokens` a prompt, `step_tokens` a step, like vLLM's chunked prefill) beside one token for
   every decoding sequence;
+- a per-step token budget (`step_tokens`) that the decoding sequences take first, one token each, and the
+  prompts in prefill share first come first served, at most `chunk_tokens` each: vLLM's
+  max_num_batched_tokens (vllm/core/scheduler.py, decodes scheduled before prefill chunks) and TensorRT-LLM's
+  max_num_tokens with chunked context (engine/trtllm_backend.py maps the site's chunk to chunk + max batch);
 - KV capacity in tokens: a request is admitted when its prompt + max_tokens fit beside the admitted ones
-  (reserved up front: no preemption), else it waits;
-- a prefix cache of workload blocks (LRU over the KV space no admitted request holds): an admitted prompt
-  computes only the blocks after its longest cached prefix;
+  (reserved up front, as TensorRT-LLM's default GUARANTEED_NO_EVICT capacity scheduler does: no
+  preemption), else it waits;
+- a prefix cache of workload blocks: a prompt's blocks enter it when its prefill ends (as vLLM and
+  TensorRT-LLM register a block once its K/V is computed, not when the request ends), held there while any
+  running sequence uses them and evicted least recently used from the KV space no admitted request
+  holds; an admitted prompt computes only the blocks after its longest cached prefix;
 - GPUs shared by several replicas (gpu_memory_utilization < 1): a step takes as many times longer as
   there are busy replicas on its GPU when it starts (`SharedGpus`);
 - `slow`: a multiplier on every step (a slow node);
@@ -47,6 +54,7 @@ class SimSeq:
     aborted: bool = False
     sent: int = 0  # output tokens reported so far (the first token, then progress)
     progress: int = 0  # tokens in the latest progress report
+    pins: int = 0  # leading blocks of `blocks` it holds pinned in the cache
 
 
 @dataclass
@@ -89,6 +97,7 @@ class SimReplica:
         self.steps = 0  # decode steps taken
         self.used = 0  # KV tokens reserved
         self.cache: OrderedDict = OrderedDict()  # block id -> None, LRU first
+        self.pinned: dict = {}  # cached block id -> running sequences using it (not evictable while > 0)
         self.by_id: dict[str, SimSeq] = {}
         self.busy_until = 0.0
         self.busy = False
@@ -135,6 +144,7 @@ class SimReplica:
             self.waiting.remove(seq)
             return
         self.used -= seq.reserved
+        self._unpin(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         else:
@@ -159,12 +169,14 @@ class SimReplica:
             seq = self.waiting.popleft()
             seq.reserved = seq.prompt + seq.max_tokens
             self.used += seq.reserved
-            hit = 0
+            hit, pinned = 0, self.pinned
             for b in seq.blocks:
                 if b not in self.cache:
                     break
                 self.cache.move_to_end(b)
+                pinned[b] = pinned.get(b, 0) + 1
                 hit += 1
+            seq.pins = hit
             cached = min(hit * self.block, seq.prompt - 1)
             self.hit_tokens += max(0, cached)
             self.query_tokens += seq.prompt
@@ -175,7 +187,7 @@ class SimReplica:
         """Plan the next segment from `now`; False when there is nothing to do (idle)."""
         self._admit()
         if self.prefilling:
-            budget, tokens, pairs = self.step_tokens, 0, 0
+            budget, tokens, pairs = self._prefill_budget(), 0, 0
             for seq in self.prefilling:
                 n = min(seq.todo, self.chunk, budget)
                 if n <= 0:
@@ -223,6 +235,7 @@ class SimReplica:
         if not self._seg:
             return []
         kind, steps = self._seg[2], self._seg[3]
+        decoding_before = self.n_decoding  # the budget this segment was planned with
         out: list[tuple[str, SimSeq]] = []
         # every sequence decoding before this segment gained `steps` tokens
         self.steps += steps
@@ -235,7 +248,7 @@ class SimReplica:
             self.ctx -= seq.prompt + seq.max_tokens
             self._finish(seq, out)
         if kind == "prefill":
-            budget = self.step_tokens
+            budget = self._prefill_budget(decoding_before)
             still = []
             for seq in self.prefilling:
                 n = max(0, min(seq.todo, self.chunk, budget))
@@ -247,6 +260,7 @@ class SimReplica:
                     continue
                 out.append(("first", seq))
                 seq.sent = 1
+                self._store(seq)  # its K/V is computed: later prompts reuse it from now on
                 if seq.max_tokens <= 1:
                     self._finish(seq, out)
                 else:  # its first token came from the prefill; max_tokens - 1 decode steps to go
@@ -266,28 +280,63 @@ class SimReplica:
         self._start(now)
         return out
 
-    def _finish(self, seq: SimSeq, out: list) -> None:
-        self.used -= seq.reserved
-        self.by_id.pop(seq.request_id, None)
-        self.finished += 1
-        out.append(("done", seq))
-        cache, log = self.cache, self.kv_log
-        stored = []
-        for b in seq.blocks:
+    def _prefill_budget(self, decoding: int | None = None) -> int:
+        """Prompt tokens a step may compute: the step's budget less one token per decoding sequence (at least 1)."""
+        left = self.step_tokens - (self.n_decoding if decoding is None else decoding)
+        return left if left > 1 else 1
+
+    def _store(self, seq: SimSeq) -> None:
+        """The prompt's blocks enter the cache, pinned while the sequence runs; the LRU makes room."""
+        cache, pinned, stored = self.cache, self.pinned, []
+        for b in seq.blocks[seq.pins:]:
             if b in cache:
                 cache.move_to_end(b)
             else:
                 cache[b] = None
                 stored.append(b)
-        room = max(0, (self.kv_tokens - self.used) // self.block)
-        removed = []
+            pinned[b] = pinned.get(b, 0) + 1
+        seq.pins = len(seq.blocks)
+        if stored and self.kv_log is not None:
+            self.kv_log.append(("stored", stored))
+        self._evict()
+
+    def _unpin(self, seq: SimSeq) -> None:
+        pinned = self.pinned
+        for b in seq.blocks[:seq.pins]:
+            n = pinned.get(b, 0) - 1
+            if n > 0:
+                pinned[b] = n
+            else:
+                pinned.pop(b, None)
+        seq.pins = 0
+
+    def _evict(self) -> None:
+        """Least recently used unpinned blocks leave until the cache fits the KV space no admitted request
+        holds (plus the blocks running sequences use, which are theirs)."""
+        cache, pinned = self.cache, self.pinned
+        room = max(0, (self.kv_tokens - self.used) // self.block) + len(pinned)
+        removed, skipped = [], []
         while len(cache) > room:
-            removed.append(cache.popitem(last=False)[0])
-        if log is not None:
-            if stored:
-                log.append(("stored", stored))
-            if removed:
-                log.append(("removed", removed))
+            b = cache.popitem(last=False)[0]
+            if b in pinned:
+                skipped.append(b)
+                if len(skipped) > len(pinned):
+                    break
+                continue
+            removed.append(b)
+        for b in reversed(skipped):  # back at the old end, in their order
+            cache[b] = None
+            cache.move_to_end(b, last=False)
+        if removed and self.kv_log is not None:
+            self.kv_log.append(("removed", removed))
+
+    def _finish(self, seq: SimSeq, out: list) -> None:
+        self.used -= seq.reserved
+        self.by_id.pop(seq.request_id, None)
+        self.finished += 1
+        out.append(("done", seq))
+        self._unpin(seq)
+        self._evict()
 
     def drop_all(self) -> list[str]:
         """The node died: everything it held is gone (the router finds out by itself)."""
@@ -297,6 +346,7 @@ class SimReplica:
         self.prefilling.clear()
         self.decoding.clear()
         self.n_decoding = self.ctx = self.used = 0
+        self.pinned.clear()
         if self.busy:
             self.shared.mark(self.gpus, -1)
         self.busy, self.alive, self._seg = False, False, ()

@@ -45,6 +45,7 @@ from typing import Callable
 
 from exaserve_hpc.app.routing import dispatch_settings, router_policy
 from exaserve_hpc.engine.kv_events import BlockRemoved, BlockStored
+from exaserve_hpc.protocol import GenerateRequest
 from exaserve_hpc.router.dispatch import Dispatcher
 from exaserve_hpc.router.router_group import merge_snapshots
 
@@ -75,6 +76,33 @@ STATS_COST_S = 12.4e-6
 STATS_SLICES = 10  # a heartbeat's stats CPU in this many slices, spread over it
 PICKS = ("round_robin", "sticky")
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: block ids are spaced by powers of two, `% n` alone would not spread
+
+
+def kv_events_of(log: list, sub: int, block_size: int) -> list:
+    """A simulated replica's log of workload blocks stored and evicted (`SimReplica.kv_log`) as the engine KV
+    events a router follows: each block `sub` router blocks of `block_size` tokens, named as gateways hash
+    them (Simulation._arrive)."""
+    return [BlockStored(block_hashes=[b * sub + j for b in blocks for j in range(sub)], parent_block_hash=None,
+                        token_ids=[], block_size=block_size) if kind == "stored"
+            else BlockRemoved(block_hashes=[b * sub + j for b in blocks for j in range(sub)])
+            for kind, blocks in log]
+
+
+def simulated_request(request_id: str, k: int, model: str, prompt: int, max_tokens: int, blocks: tuple,
+                      block_tokens: int, hasher) -> GenerateRequest:
+    """The request a gateway hands its router for a workload request (the k-th): with the prompt's block
+    hashes in the router's scheme when its policy hashes prompts (``hasher``, else None). Workload block b
+    of `block_tokens` is router blocks b x sub .. b x sub + sub - 1; past the workload's blocks the prompt's
+    own tail, hashes no other request has."""
+    hashes, scheme = [], ""
+    if hasher is not None:
+        count = hasher.blocks(prompt)
+        sub = max(1, block_tokens // hasher.block_size)
+        hashes = [h * sub + j for h in blocks for j in range(sub)][:count]
+        hashes += [-(k << 12) - j for j in range(count - len(hashes))]
+        scheme = hasher.scheme
+    return GenerateRequest(request_id=request_id, model=model, prompt_token_ids=[0] * prompt,
+                           max_tokens=max_tokens, prefix_hashes=hashes, prefix_scheme=scheme)
 
 
 def chunks_for(tokens: int, step_ms: float, coalesce_ms: float, coalesce_tokens: int) -> int:
@@ -233,10 +261,7 @@ class SimRouters:
         """Precise mode: a replica's KV events (its log of workload blocks stored and evicted, each block
         `sub` router blocks of `block_size` tokens, named as the gateway hashes them) reach every router,
         as every router subscribes to every replica's publisher."""
-        events = [BlockStored(block_hashes=[b * sub + j for b in blocks for j in range(sub)], parent_block_hash=None,
-                              token_ids=[], block_size=block_size) if kind == "stored"
-                  else BlockRemoved(block_hashes=[b * sub + j for b in blocks for j in range(sub)])
-                  for kind, blocks in log]
+        events = kv_events_of(log, sub, block_size)
         log.clear()
         for t in self.threads:
             t.dispatcher.on_kv_events(replica_id, events)

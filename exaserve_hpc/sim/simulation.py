@@ -30,19 +30,19 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from exaserve_hpc.config.schema import SiteConfig
-from exaserve_hpc.engine.timing import timings_for
-from exaserve_hpc.protocol import (
-    Abort, GenerateRequest, ReplicaStats, RequestError, TokenChunk
-)
-from exaserve_hpc.router.dispatch import GATEWAY
-from exaserve_hpc.router.dispatch_state import request_id_of
 from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.controller.core import ControllerCore
 from exaserve_hpc.controller.requeue_policy import RequeueSnapshot, requeue_decision
+from exaserve_hpc.engine.timing import timings_for
+from exaserve_hpc.protocol import Abort, GenerateRequest, ReplicaStats, RequestError, TokenChunk
+from exaserve_hpc.router.dispatch import GATEWAY
+from exaserve_hpc.router.dispatch_state import request_id_of
 from exaserve_hpc.sim.fleet import SimAgent
 from exaserve_hpc.sim.metrics import Recorder
 from exaserve_hpc.sim.replica import SharedGpus, SimSeq
-from exaserve_hpc.sim.routers import CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, STATS_SLICES, SimRouters
+from exaserve_hpc.sim.routers import (
+    CHUNK_COST_S, ROUTER_COST_S, STATS_COST_S, STATS_SLICES, SimRouters, simulated_request
+)
 from exaserve_hpc.sim.workload import Workload, arrivals
 
 
@@ -220,15 +220,8 @@ class Simulation:
         rid = f"q{k}"
         thread = self.router.pick(request.blocks)
         self.requests[rid] = [request, now, -1.0, thread]
-        hashes, scheme = [], ""
-        if self._hasher is not None:
-            count = self._hasher.blocks(request.prompt)
-            sub = max(1, request.block_tokens // self._hasher.block_size)
-            hashes = [h * sub + j for h in request.blocks for j in range(sub)][:count]
-            hashes += [-(k << 12) - j for j in range(count - len(hashes))]  # the prompt's own tail
-            scheme = self._hasher.scheme
-        req = GenerateRequest(request_id=rid, model=request.model, prompt_token_ids=[0] * request.prompt,
-                              max_tokens=request.max_tokens, prefix_hashes=hashes, prefix_scheme=scheme)
+        req = simulated_request(rid, k, request.model, request.prompt, request.max_tokens, request.blocks,
+                                request.block_tokens, self._hasher)
         if thread.cost <= 0:
             self._send(thread.dispatcher.on_request(thread.gateway, req, now))
         else:  # the router's thread takes it after those ahead of it

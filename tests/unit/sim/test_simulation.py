@@ -235,3 +235,26 @@ def test_a_slow_replica_reports_its_step_time_and_runs_repeat():
     runs = [Simulation(small_site(policy="power_of_two"), wl, seed=3).run() for _ in range(2)]
     assert runs[0]["accepted"] > 400
     assert [r["ttft_mean_s"] for r in runs] == [runs[0]["ttft_mean_s"]] * 2
+
+
+def test_replica_model_caches_a_prompt_when_its_prefill_ends_and_decodes_take_the_step_budget_first():
+    """A prompt's blocks are reusable once its prefill is done (not when the request ends), pinned while it
+    runs; the decoding sequences take their tokens of the step budget before any prefill chunk."""
+    t = timings_for("a100-80gb")
+    r = SimReplica("m/r0", "m", t, max_batch=8, kv_tokens=100_000, block_tokens=64, chunk_tokens=1024,
+                   step_tokens=520, gpus=(("n", 0),), shared=SharedGpus())
+    blocks = tuple(range(8))
+    r.add(SimSeq("a", 512, 1000, blocks), 0.0)
+    kinds = []
+    while "first" not in kinds:
+        kinds += [k for k, _ in r.wake(r.busy_until)]
+    assert r.n_decoding == 1 and set(r.pinned) == set(blocks)  # decoding: its blocks are cached and pinned
+    r.add(SimSeq("b", 2000, 5, blocks + (100, 101)), r.busy_until)
+    r.wake(r.busy_until)  # the decode step under way when "b" came; then "b" is admitted
+    assert r.hit_tokens == 512  # reused while "a" still decodes
+    r.wake(r.busy_until)  # "b"'s first chunk: the budget of 520 less "a"'s decode token
+    assert r.prefilling[0].done == 512 + 519
+    r.abort("a")
+    assert set(r.pinned) == set(blocks)  # still "b"'s
+    r.abort("b")
+    assert r.pinned == {} and r.used == 0
