@@ -13,21 +13,17 @@ from exaserve_hpc.router.balancing import Decision
 
 
 cdef struct Costs:
-    double base_tokens, pair_tokens, chunk, decode_share, queue_tokens, latency_cap, kv_weight
+    double base_tokens, pair_tokens, decode_share, queue_tokens, latency_cap, kv_weight
 
 
 cdef double cost(Costs* s, c, double uncached, double mean_latency, double prompt) except? -1.0:
     """affinity.PrefixAffinity.cost."""
-    cdef double own = uncached + s.base_tokens, ahead, cap, result, slow, lat
+    cdef double own = uncached + s.base_tokens, ahead, result, slow, lat
     cdef double outstanding = c.outstanding, queue_depth = c.queue_depth, running, max_batch
     if s.pair_tokens:
         own += s.pair_tokens * uncached * (prompt - uncached + uncached / 2 if prompt > uncached else uncached / 2)
     running = outstanding if outstanding >= queue_depth else queue_depth
     ahead = c.prefill_tokens
-    if ahead:
-        cap = running * (own if own > s.chunk else s.chunk)
-        if cap < ahead:
-            ahead = cap
     result = (ahead + own) * (1.0 + s.decode_share * running)
     max_batch = c.max_batch_size
     if running >= max_batch:
@@ -80,7 +76,7 @@ def route(policy, pool, exclude, key):
     """affinity.PrefixAffinity.route for a `ReplicaPool` of candidates."""
     cdef Costs k
     s, w = policy.settings, policy.settings.weights
-    k.base_tokens, k.pair_tokens, k.chunk = s.base_tokens, s.pair_tokens, s.prefill_chunk_tokens
+    k.base_tokens, k.pair_tokens = s.base_tokens, s.pair_tokens
     k.decode_share, k.queue_tokens = s.decode_share, s.queue_tokens
     k.latency_cap, k.kv_weight = w.latency_cap, w.kv_weight
     cdef Py_ssize_t min_match = s.min_match_blocks, depth, deepest = 0, best_depth = 0, size

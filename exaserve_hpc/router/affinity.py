@@ -5,23 +5,29 @@ time to first token, in prefill-token units:
 
     own  = uncached x (1 + pair_tokens x (cached + uncached / 2)) + base_tokens
            (this prompt's uncached tokens there, attention's quadratic term included)
-    cost = (prefill work ahead of it + own)
+    cost = (prefill tokens queued there + own)
            x (1 + decode_share x requests running there)       # decodes slow every step
            + queue_tokens x requests beyond its batch size       # waiting for a batch slot
-           then x how slow it is (latency EWMA / pool mean) x (1 + kv_weight x KV use)
-    prefill work ahead = min(prefill tokens queued there,
-                             requests running there x max(own, prefill_chunk_tokens))
+           then x (1 + kv_weight x KV use)
 
-The last line is chunked prefill: a step computes a chunk of every prompt in
-prefill, so each prompt there delays this one by at most this one's own work
-(a whole chunk when that is less), not by all of its tokens: a short prompt
-beside one long prefill waits less than beside several short ones.
+All the prefill work queued at a replica counts as ahead of the prompt: the engines admit requests in
+arrival order as KV room and batch slots free up (TensorRT-LLM reserves a request's whole KV at admission),
+so the prompts there are not all in prefill together sharing each step. An earlier form capped that work
+at (requests running x a chunk) on the assumption that they were; measured as deployed
+(bench_router_trace, small16-a100's 8B, 1,000 conversation requests, 3 seeds) it cost 11-69% mean TTFT
+at 70-95% load, the latency factor included.
+
+The replica's reported latency (its step-time EWMA) is not in the cost by default (``weights.latency_cap``
+1: no factor). A step's time is mostly the work the replica holds, which the queued tokens already
+count, so a replica busy with a long prefill counted as slow twice and lost its cache affinity; a replica
+that is slow for another reason (a throttled GPU, a slow node) keeps its requests longer, so its router-side
+counts of outstanding prefill tokens and requests grow and it costs more through them.
 
 The constants are the timing model's, not tuned (`AffinitySettings.from_timings`,
 what bench_router_trace uses): base_tokens = one step's overhead, pair_tokens =
 the attention pair's cost, decode_share = one running sequence's share of a
 prefill step (its GEMM row and its K/V read at the mean context), all in
-prefill-token units; prefill_chunk_tokens = the engines' per-step budget.
+prefill-token units.
 
 The candidates are the replicas holding the longest cached prefix (from the
 `PrefixIndex`, a handful at most) and a random draw of ``weights.samples``
@@ -85,7 +91,6 @@ class AffinitySettings:
     base_tokens: float = 64.0  # fixed cost of any request, so equal-load ties go to balance
     decode_share: float = 0.03  # each running request slows a prefill step by this fraction
     queue_tokens: float = 8192.0  # a request waiting for a batch slot, in prefill tokens
-    prefill_chunk_tokens: int = 512  # the engines' chunked-prefill size (site default): see the module docstring
     pair_tokens: float = 0.0  # cost of one causal (query, key) attention pair, in prefill tokens
     matches: int = 4  # cached-prefix candidates considered per request
     # Bounded loads: a replica whose requests before their first token would exceed max(1, this x the pool's
@@ -95,7 +100,9 @@ class AffinitySettings:
     # it cut the time some replica's queue spent above 3x the mean (29% -> 16/6% of reports).
     max_load_factor: float = 0.0
     # 4 drawn candidates besides the holders: in bench_router_trace (h200, 4,000 requests) 2 cost 3-6% mean TTFT.
-    weights: WeightSettings = field(default_factory=lambda: WeightSettings(samples=4))
+    # latency_cap 1: the replicas' step-time EWMA does not scale the cost (the module docstring says why; in
+    # bench_router_trace it cost 3-19% mean TTFT at 70-95% load, as deployed)
+    weights: WeightSettings = field(default_factory=lambda: WeightSettings(samples=4, latency_cap=1.0))
     # A pool this small is compared whole instead of drawn from: on the Mooncake trace (3,000 requests, 16 h200
     # replicas, the honest timing model) every replica compared gave 2-6% lower mean TTFT than 4 drawn, at
     # 70/85/95% load and under each of 3 seeds, because a draw of 4 often misses the one least-loaded replica.
@@ -104,10 +111,10 @@ class AffinitySettings:
     compare_all_up_to: int = 32
 
     @classmethod
-    def from_site(cls, router, prefill_chunk_tokens: int = 512) -> "AffinitySettings":
-        """From a site config's router section (config.RouterConfig) and its batching.prefill_chunk_tokens."""
+    def from_site(cls, router) -> "AffinitySettings":
+        """From a site config's router section (config.RouterConfig)."""
         return cls(mode=router.prefix_mode, block_size=router.block_size, index_blocks=router.index_blocks,
-                   prefill_chunk_tokens=prefill_chunk_tokens, max_load_factor=router.max_load_factor)
+                   max_load_factor=router.max_load_factor)
 
     @classmethod
     def from_timings(cls, timings, step_tokens: int, mean_context_tokens: float, **overrides) -> "AffinitySettings":
@@ -121,7 +128,7 @@ class AffinitySettings:
         step = timings.step_overhead_s + step_tokens * per_token
         decode = timings.decode_per_seq_s + timings.kv_read_per_token_s * mean_context_tokens
         values = dict(base_tokens=timings.step_overhead_s / per_token, decode_share=decode / step,
-                      pair_tokens=timings.prefill_per_pair_s / per_token, prefill_chunk_tokens=step_tokens)
+                      pair_tokens=timings.prefill_per_pair_s / per_token)
         return cls(**{**values, **overrides})
 
     def hasher(self) -> "FastBlockHasher | EngineBlockHasher":
@@ -146,7 +153,7 @@ class PrefixAffinity(RoutingPolicy):
 
     @classmethod
     def from_site(cls, router, batching) -> "PrefixAffinity":
-        return cls(AffinitySettings.from_site(router, batching.prefill_chunk_tokens))
+        return cls(AffinitySettings.from_site(router))
 
     @classmethod
     def prompt_hasher(cls, router) -> "FastBlockHasher | EngineBlockHasher":
@@ -203,14 +210,9 @@ class PrefixAffinity(RoutingPolicy):
         if s.pair_tokens:  # attention: each uncached token attends to the cached ones and half the rest
             own += s.pair_tokens * uncached * (prompt - uncached + uncached / 2 if prompt > uncached else uncached / 2)
         running = c.outstanding if c.outstanding >= c.queue_depth else c.queue_depth
-        # Chunked prefill: each prompt in prefill there delays this one by at most its own work.
-        ahead = c.prefill_tokens
-        if ahead:
-            chunk = s.prefill_chunk_tokens
-            cap = running * (own if own > chunk else chunk)
-            if cap < ahead:
-                ahead = cap
-        cost = (ahead + own) * (1.0 + s.decode_share * running)
+        # All the prefill work queued there is ahead of this prompt: prompts wait for KV room and batch
+        # slots in arrival order, so they are not all in prefill at once sharing each step (see the docstring).
+        cost = (c.prefill_tokens + own) * (1.0 + s.decode_share * running)
         if running >= c.max_batch_size:
             cost += s.queue_tokens * (running + 1 - c.max_batch_size)
         w = s.weights

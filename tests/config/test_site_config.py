@@ -155,11 +155,10 @@ def test_the_router_section_reaches_the_policy_and_the_dispatcher():
     assert policy.settings.max_load_factor == 2.5
     assert policy.settings.block_size == 32 and policy.index.max_blocks == 4096
     assert policy.hasher.scheme.startswith("blake2b8-32x")
-    assert policy.settings.prefill_chunk_tokens == site.batching.prefill_chunk_tokens
     settings = dispatch_settings(site)
     assert settings.stall_limit == 7.0 and settings.max_attempts == 4
     assert settings.breaker.failures == 5 and settings.breaker.cooloff == 3.0
-    assert router_policy(parse_site({"site": "t", "models": [{"model_name": "m"}]})).name == "least_load"
+    assert router_policy(parse_site({"site": "t", "models": [{"model_name": "m"}]})).name == "prefix_affinity"
 
 
 def test_a_controller_timeout_within_two_heartbeats_is_refused():

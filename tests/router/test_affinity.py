@@ -165,21 +165,30 @@ def test_the_dispatcher_routes_and_records_by_the_gateways_hashes():
     assert p.index.holders(p.routing_key(tokens).block_hashes[-1]) == []
 
 
-def test_a_short_prompt_waits_less_beside_one_long_prefill_than_beside_several():
-    # Chunked prefill computes a chunk of every prompt in prefill each step: a queued prompt delays
-    # a new one by at most the new one's own work, so one 60,000-token prefill costs a short prompt
-    # less than four 3,000-token ones; a long prompt still waits for all of the short ones.
+def test_all_the_prefill_work_queued_at_a_replica_is_ahead_of_a_new_prompt():
+    # Prompts are admitted in arrival order as KV room frees (TensorRT-LLM reserves a request's KV whole),
+    # so a short prompt behind one 60,000-token prefill waits for all of it: more than behind four
+    # 3,000-token ones (no cap at "each prompt in prefill delays it by at most its own work").
     p = policy()
     one_long = ReplicaLoad("r0", "m", 1, 32, prefill_tokens=60_000)
     several = ReplicaLoad("r1", "m", 4, 32, prefill_tokens=12_000)
-    assert p.cost(one_long, 500, 0.0) < p.cost(several, 500, 0.0)
-    assert p.cost(one_long, 50_000, 0.0) > p.cost(several, 50_000, 0.0)
+    assert p.cost(one_long, 500, 0.0) > p.cost(several, 500, 0.0)
     s = p.settings
-    assert p.cost(several, 50_000, 0.0) == (12_000 + 50_000 + s.base_tokens) * (1 + 4 * s.decode_share)
+    assert p.cost(several, 500, 0.0) == (12_000 + 500 + s.base_tokens) * (1 + 4 * s.decode_share)
     pool = ReplicaPool()
     pool.add(one_long)
     pool.add(several)
-    assert route(p, pool, key=p.routing_key(prompt(1, 30))).replica_id == "r0"
+    assert route(p, pool, key=p.routing_key(prompt(1, 30))).replica_id == "r1"
+
+
+def test_the_replicas_step_time_does_not_scale_the_cost_by_default():
+    # A replica busy with a long prefill reports a long step time; its queued tokens already count that work.
+    p = PrefixAffinity(AffinitySettings(block_size=BLOCK), seed=5)  # the defaults a site gets
+    fast = ReplicaLoad("r0", "m", 1, 32, prefill_tokens=1000, latency_ewma_ms=10.0)
+    slow = ReplicaLoad("r1", "m", 1, 32, prefill_tokens=1000, latency_ewma_ms=400.0)
+    assert p.cost(fast, 500, 205.0) == p.cost(slow, 500, 205.0)
+    scaled = policy(weights=WeightSettings(samples=4, latency_cap=10.0))  # the factor is still there to opt in
+    assert scaled.cost(slow, 500, 205.0) > scaled.cost(fast, 500, 205.0)
 
 
 def test_a_drawn_replica_that_holds_part_of_the_prefix_is_credited_with_it():
@@ -209,7 +218,7 @@ def test_cost_constants_come_from_the_timing_model():
     step = t.step_overhead_s + 8192 * t.prefill_per_token_s
     assert s.decode_share == pytest.approx((t.decode_per_seq_s + 12000 * t.kv_read_per_token_s) / step)
     assert s.pair_tokens == pytest.approx(t.prefill_per_pair_s / t.prefill_per_token_s)
-    assert (s.prefill_chunk_tokens, s.block_size) == (8192, 512)
+    assert s.block_size == 512
     policy = PrefixAffinity(s, seed=0)
     idle = ReplicaLoad("r", "m", 0, 64)
     # attention: 32k uncached tokens cost more than 4x 8k, and cached tokens before them add to it
