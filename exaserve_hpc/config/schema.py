@@ -276,7 +276,8 @@ class RouterConfig(_Section):
     interface: Optional[str] = None
     frontend_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     backend_port: int = Field(0, ge=0, le=65535)
-    policy: Literal[POLICY_NAMES] = "least_load"  # router/policies.py
+    # router/policies.py; prefix_affinity: the lowest mean TTFT measured (docs/benchmarks.md, bench_router_trace)
+    policy: Literal[POLICY_NAMES] = "prefix_affinity"
     block_size: int = Field(16, ge=1)  # tokens per prefix block; in precise mode the engine's block size
     prefix_mode: Literal["approximate", "precise"] = "approximate"  # precise: fed by the replicas' KV events
     index_blocks: int = Field(1_000_000, ge=1024)  # block hashes the prefix index keeps (memory bound)

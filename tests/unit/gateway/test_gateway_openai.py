@@ -483,7 +483,11 @@ def test_the_gateway_hashes_prompts_for_a_prefix_affinity_router(start_gateway):
     assert len(request.prefix_hashes) == len(request.prompt_token_ids) // 8 > 0
 
 
-def test_the_gateway_sends_no_hashes_to_a_router_without_prefix_affinity(gateway):
+def test_the_gateway_sends_no_hashes_to_a_router_without_prefix_affinity(start_gateway):
+    from exaserve_hpc.config.schema import parse_site
+    site = parse_site({"site": "gateway-test", "models": [{"model_name": MODEL, "max_seq_len": MAX_SEQ_LEN, "engine": "echo"}],
+                       "router": {"policy": "least_load"}})
+    gateway = start_gateway(site)
     gateway.client().completions.create(model=MODEL, prompt="a prompt long enough for two blocks", max_tokens=2)
     [request] = gateway.backend.requests
     assert request.prefix_hashes == [] and request.prefix_scheme == ""
