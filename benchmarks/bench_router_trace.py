@@ -93,23 +93,23 @@ class Fleet:
         self.spec = catalogue_from_site(self.site)[self.model]
         if self.max_seq_len:
             self.spec = replace(self.spec, max_seq_len=self.max_seq_len)
-        # as placement packs them: a GPU holds as many replicas as gpu_memory_utilization lets it, and they
-        # share its compute (SharedGpus: a step takes as many times longer as replicas busy on the GPU)
-        self.per_gpu = max(1, int(1 / self.spec.gpu_memory_utilization + 1e-9))
         self.timings = scaled_timings(timings_for(self.gpu), self.spec, GPU_SPECS.get(self.gpu))
-        self.memory_bytes = int(self.spec.gpu_memory_utilization * GPU_SPECS[self.gpu].memory_gb * 1e9)
+        cluster = self.site.cluster  # the site's GPU memory on its own GPU kind, else the datasheet's
+        memory = cluster.gpu_memory if cluster.gpu_memory and self.gpu == cluster.gpu_kind else \
+            GPU_SPECS[self.gpu].memory_gb * 1e9
+        self.memory_bytes = int(self.spec.gpu_memory_utilization * memory)  # what placement reserves a replica
         probe = self.replica(0, SharedGpus())
         self.kv_tokens, self.chunk, self.step_tokens = probe.kv_tokens, probe.chunk, probe.step_tokens
 
     def replica(self, k: int, shared: SharedGpus):
         return sim_replica(f"r{k:02d}", self.spec, self.site.batching, self.timings, memory_bytes=self.memory_bytes,
-                           block_tokens=BLOCK, gpus=((f"gpu{k // self.per_gpu}", 0),), shared=shared)
+                           block_tokens=BLOCK, gpus=((f"gpu{k}", 0),), shared=shared)  # a GPU of its own
 
     def describe(self) -> str:
         s = self.spec
         return (f"{self.replicas} replicas of {self.model} ({s.architecture or 'no architecture: scaled 8B'}, "
                 f"TP{s.tensor_parallel} PP{s.pipeline_parallel}, max_seq_len {s.max_seq_len}) on {self.gpu}, "
-                f"{self.per_gpu} a GPU: max batch {s.max_batch_size}, "
+                f"a GPU each: max batch {s.max_batch_size}, "
                 f"chunk {self.chunk}, {self.step_tokens} tokens a step, {self.kv_tokens} KV tokens each; "
                 f"router {self.site.router.model_dump(include={'block_size', 'prefix_mode', 'max_load_factor'})}, "
                 f"stats every {self.site.router.replica_heartbeat:g}s")
