@@ -7,6 +7,14 @@ release 0.14 for H100 in FP16. `trtllm-bench throughput`: offline, every request
 and output lengths (ISL/OSL), pipeline parallel 1; the figure is output tokens per second of the whole
 tensor-parallel group. FP8 rows run FP8 weights and an FP8 KV cache; A100 rows FP16 (no FP8 tensor cores).
 
+Llama 3.1 405B on H100 (FP8, TP8), which releases 0.14-0.17 do not measure, comes from the same file of release
+0.19 (https://nvidia.github.io/TensorRT-LLM/0.19.0/performance/perf-overview.html, table "Llama 3.1 405B FP8",
+column "H100 80GB HBM3", TP Size 8; checkpoint nvidia/Llama-3.1-405B-Instruct-FP8): the same `trtllm-bench
+throughput` offline method and ISL/OSL grid, but run on the PyTorch backend ("Starting with v0.19") and mostly
+with --kv_cache_free_gpu_mem_fraction 0.95. The file's later tables (v0.20, v0.21 and v1.0 data) repeat the
+column within ~12%. No table of releases 0.14-1.0 measures 405B on A100 (FP16 weights, 811 GB, exceed eight
+80 GB GPUs; Ampere has no FP8 GEMMs).
+
 Left out, as the page's own numbers show they are bound by something the model does not claim to capture:
 70B at TP1 and TP2 on 80 GB GPUs (the weights leave almost no KV cache: e.g. A100 TP2 2048/2048 at 261
 tokens/s against 1,394 at TP4), and the 20000/2000 rows (beyond the 8,192-token step budget's regime).
@@ -30,6 +38,7 @@ class Published(NamedTuple):
 
 V017 = "TensorRT-LLM 0.17 perf-overview.md"
 V014 = "TensorRT-LLM 0.14 perf-overview.md"
+V019 = "TensorRT-LLM 0.19 perf-overview.md"
 L8, L70, L405 = "Llama-3-8B", "Llama-3-70B", "Llama-3.1-405B"
 
 _ROWS = [  # (model, tp, isl, osl, H200 FP8, H100 FP8, A100 FP16), release 0.17
@@ -61,6 +70,10 @@ _405B_H200 = [  # release 0.17, TP8, H200 FP8 only (the page has no H100 or A100
     (128, 128, 3874.19), (128, 2048, 5938.09), (128, 4096, 5168.37), (500, 2000, 5084.29), (1000, 1000, 3399.69),
     (2048, 128, 463.42), (2048, 2048, 2940.62), (5000, 500, 669.13),
 ]
+_405B_H100 = [  # release 0.19, TP8, H100 FP8 ("Llama 3.1 405B FP8" table; its 20000/2000 row left out as above)
+    (128, 128, 3732.40), (128, 2048, 4572.23), (128, 4096, 2911.42), (500, 2000, 3661.85), (1000, 1000, 2963.36),
+    (1000, 2000, 3253.17), (1024, 2048, 3089.16), (2048, 128, 448.89), (2048, 2048, 2139.94), (5000, 500, 579.14),
+]
 _H100_FP16 = [  # release 0.14, H100 80GB FP16
     (L8, 1, 128, 128, 15571.6549), (L8, 1, 128, 2048, 9150.7477), (L8, 1, 2048, 128, 1904.3259),
     (L8, 1, 2048, 2048, 4159.6857), (L8, 1, 5000, 500, 1708.0353),
@@ -74,4 +87,5 @@ PUBLISHED: list[Published] = (
     + [Published(m, "a100-80gb", "fp16", tp, i, o, a100, V017) for m, tp, i, o, _, _, a100 in _ROWS]
     + [Published(L405, "h200", "fp8", 8, i, o, t, V017) for i, o, t in _405B_H200]
     + [Published(m, "h100-sxm", "fp16", tp, i, o, t, V014) for m, tp, i, o, t in _H100_FP16]
+    + [Published(L405, "h100-sxm", "fp8", 8, i, o, t, V019) for i, o, t in _405B_H100]
 )
