@@ -92,7 +92,11 @@ class AffinitySettings:
     decode_share: float = 0.03  # each running request slows a prefill step by this fraction
     queue_tokens: float = 8192.0  # a request waiting for a batch slot, in prefill tokens
     pair_tokens: float = 0.0  # cost of one causal (query, key) attention pair, in prefill tokens
-    matches: int = 4  # cached-prefix candidates considered per request
+    # Cached-prefix candidates considered per request (the index's newest holders). 8: at 3,072 replicas
+    # (bench_router_scaleout_sim --compare-all, exa256-mix) 4 left the draw 1.115x the mean TTFT of comparing
+    # every replica, a hot prefix's 4 newest holders being busy while older ones idled; 8 gave 1.04x, 12 and
+    # 16 no better.
+    matches: int = 8
     # Bounded loads: a replica whose requests before their first token would exceed max(1, this x the pool's
     # mean of them, this request included) is not chosen while a candidate within it is; 0: no cap. Off by
     # default: in bench_router_trace (Mooncake 3,000 and the tenant trace, 70-95% load) every factor tried
