@@ -13,8 +13,9 @@ What is deployed, and only that:
 - the router is the real `Dispatcher` with each policy as the site builds it (`from_site` on the site's
   router and batching sections: no setting derived from the trace), one router, as on one gateway;
 - the replicas report what real ones report (agent/replica_main.py): queue depth, running, KV use and the
-  EWMA of their step time, every router.replica_heartbeat (1 s), each at its own phase (the seed draws the
-  phases, and the policies' random draws);
+  EWMA of their step time, every router.replica_heartbeat (1 s), each at its own phase; the seed draws the
+  phases, the order the replicas register in (a policy that breaks ties by candidate order, or takes
+  turns, depends on it) and the policies' random draws;
 - requests reach the router as gateways send them: with their prompt's block hashes in the policy's scheme
   (`sim/routers.simulated_request`, as the simulator's gateways).
 Prompts: the trace gives 512-token block hash ids (two requests that share a hash id share those tokens);
@@ -23,8 +24,11 @@ requests longer than the model's max_seq_len or a replica's KV pool are skipped 
 Load: the fleet's capacity is measured first, on the same requests (`measure_capacity`: the highest arrival
 rate, the trace's times scaled, at which token-aware least-load keeps up: its backlog of requests before
 their first token does not grow while they arrive; ``--capacity R`` gives it instead). Each load level
-replays the trace scaled to that fraction of it, once per seed. Reported per policy, the mean over seeds
-with the range: block hit rate, mean and p99 TTFT, utilisation, replica queues; the lower bound no router
+replays the trace scaled to that fraction of it, once per seed. The router's housekeeping runs once a
+second as in a router process (`Dispatcher.tick`): a request with no first token within
+router.first_token_timeout (60 s) is moved to another replica and that replica's breaker opens, as
+deployed. Reported per policy, the mean over seeds with the range: block hit rate, mean and p99 TTFT,
+utilisation, replica queues, requests moved by the router and failed; the lower bound no router
 can beat (`ttft_bound`); the field's routers beside ours (router/sglang_cache_aware.py,
 router/llmd_scheduler.py, router/dynamo_kv.py: their upstream sources are cited there).
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import statistics
 import sys
@@ -45,8 +50,9 @@ from exaserve_hpc.config.schema import SiteConfig, load_site
 from exaserve_hpc.controller.catalogue import catalogue_from_site
 from exaserve_hpc.engine.gpu_specs import GPU_SPECS
 from exaserve_hpc.engine.timing import timings_for
-from exaserve_hpc.protocol import GenerateRequest, ReplicaHello, ReplicaStats, TokenChunk
-from exaserve_hpc.router.dispatch import GATEWAY, REPLICA, Dispatcher
+from exaserve_hpc.protocol import Abort, GenerateRequest, ReplicaHello, ReplicaStats, RequestError, TokenChunk
+from exaserve_hpc.router.dispatch import REPLICA, Dispatcher
+from exaserve_hpc.router.dispatch_state import request_id_of
 from exaserve_hpc.router.policies import policy_class
 from exaserve_hpc.sim.fleet import scaled_timings, sim_replica
 from exaserve_hpc.sim.replica import SharedGpus, SimSeq
@@ -143,7 +149,9 @@ def replay(rows: list[Row], policy_name: str, fleet: Fleet, scale: float, seed: 
     precise = d.follows_kv_events
     hasher = getattr(d.policy, "hasher", None) if d.policy.uses_prefix else None
     sub = max(1, BLOCK // hasher.block_size) if hasher is not None else 1
-    for rid, r in engines.items():
+    order = random.Random(seed).sample(ids, len(ids))  # replicas register in no set order in a real job
+    for rid in order:
+        r = engines[rid]
         if precise:
             r.kv_log = []
         d.on_replica_message(rid, ReplicaHello(replica_id=rid, model=fleet.model, pid=0,
@@ -159,16 +167,27 @@ def replay(rows: list[Row], policy_name: str, fleet: Fleet, scale: float, seed: 
     sent: dict[str, SimSeq] = {}
     done = i = 0
     now = 0.0
-    sample_at = 0.0
+    sample_at = tick_at = 0.0
+
+    failed = 0
 
     def deliver(out, now: float) -> None:
+        nonlocal done, failed
         for o in out:
-            if o.side == REPLICA and isinstance(o.message, GenerateRequest):
-                m = o.message
-                seq = sent[m.request_id]
-                engines[o.peer.decode()].add(SimSeq(m.request_id, seq.prompt, seq.max_tokens, seq.blocks), now)
-            elif o.side == GATEWAY and isinstance(o.message, TokenChunk) and o.message.request_id not in first:
-                first[o.message.request_id] = now
+            m = o.message
+            if o.side == REPLICA:
+                if isinstance(m, GenerateRequest):  # a resend carries its attempt's id
+                    seq = sent[request_id_of(m.request_id)]
+                    engines[o.peer.decode()].add(SimSeq(m.request_id, seq.prompt, seq.max_tokens, seq.blocks), now)
+                elif isinstance(m, Abort):  # the router moved it (a stalled stream, a first token too late)
+                    engines[o.peer.decode()].abort(m.request_id)
+            elif isinstance(m, TokenChunk):
+                if m.request_id not in first:
+                    first[m.request_id] = now
+                done += m.finished
+            elif isinstance(m, RequestError):
+                failed += 1
+                done += 1
 
     def depth(r) -> int:  # requests not yet at their first token: waiting, or admitted and in prefill
         return len(r.waiting) + len(r.prefilling)
@@ -180,9 +199,13 @@ def replay(rows: list[Row], policy_name: str, fleet: Fleet, scale: float, seed: 
             if r.busy and r.busy_until < t_engine:
                 t_engine, busy = r.busy_until, rid
         stats_rid = min(next_stats, key=next_stats.get)
-        t_stats = min(next_stats[stats_rid], sample_at)
+        t_stats = min(next_stats[stats_rid], sample_at, tick_at)
         now = max(now, min(t_arrival, t_engine, t_stats))
         if t_stats <= t_arrival and t_stats <= t_engine:
+            if tick_at <= t_stats:  # the router's housekeeping, once a second as it runs: timeouts move requests
+                deliver(d.tick(now), now)
+                tick_at = now + 1.0
+                continue
             if sample_at <= next_stats[stats_rid]:  # the bench's own sample of the fleet's queues
                 depths = [depth(r) for r in engines.values()]
                 backlog.append((now, sum(depths)))
@@ -209,13 +232,10 @@ def replay(rows: list[Row], policy_name: str, fleet: Fleet, scale: float, seed: 
             i += 1
         else:
             r = engines[busy]
-            for kind, seq in r.wake(now):
-                if kind == "progress":
-                    continue
-                chunk = TokenChunk(request_id=seq.request_id, token_ids=[0], finished=kind == "done",
-                                   finish_reason="length" if kind == "done" else None)
+            for kind, seq in r.wake(now):  # progress too: the router takes a silent stream as stalled
+                chunk = TokenChunk(request_id=seq.request_id, token_ids=[0] * (seq.progress if kind == "progress" else 1),
+                                   finished=kind == "done", finish_reason="length" if kind == "done" else None)
                 deliver(d.on_replica_message(busy, chunk, now), now)
-                done += kind == "done"
             if precise and r.kv_log:
                 d.on_kv_events(busy, kv_events_of(r.kv_log, sub, hasher.block_size))
                 r.kv_log.clear()
@@ -226,6 +246,7 @@ def replay(rows: list[Row], policy_name: str, fleet: Fleet, scale: float, seed: 
     peak = max(queues, key=lambda q: (q[1], -q[0]), default=(0.0, 0))
     return {
         "policy": policy_name, "seed": seed, "requests": len(rows), "completed": d.counters["completed"],
+        "failed": failed, "retries": d.counters["retries"],
         "block_hit_rate": hit_tokens / BLOCK / blocks,
         "ttft_mean": statistics.fmean(ttft), "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
         "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
@@ -364,6 +385,8 @@ def summarise(runs: list[dict]) -> dict:
     out["ttft_mean_range"] = (min(r["ttft_mean"] for r in runs), max(r["ttft_mean"] for r in runs))
     out["ttft_p99_range"] = (min(r["ttft_p99"] for r in runs), max(r["ttft_p99"] for r in runs))
     out["routing"] = runs[0]["routing"]
+    out["retries"] = statistics.fmean(r["retries"] for r in runs)
+    out["failed"] = statistics.fmean(r["failed"] for r in runs)
     return out
 
 
@@ -388,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--policies", nargs="+", default=POLICIES)
     args = parser.parse_args(argv)
+    logging.getLogger("exaserve_hpc").setLevel(logging.ERROR)  # breakers opening under load: counted, not logged
     site = load_site(args.site)
     model = args.model or site.models[0].model_name
     gpu = args.gpu or site.cluster.gpu_kind
@@ -426,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nload {load:.0%} of capacity: {load * capacity:.2f} requests/s, time scale x{scale:.3f}, "
               f"seeds {' '.join(map(str, args.seeds))}", flush=True)
         print(f"{'policy':<19} {'hit rate':>8} {'TTFT mean':>10} {'(range)':>13} {'p99':>8} {'(range)':>13} "
-              f"{'/bound':>7} {'util':>6} {'queue':>6} {'max':>5} {'hot':>5} {'>3x':>6}  routing")
+              f"{'/bound':>7} {'util':>6} {'queue':>6} {'max':>5} {'hot':>5} {'>3x':>6} {'moved':>5} {'failed':>6}  routing")
         for name in args.policies:
             t0 = time.perf_counter()
             runs = []
@@ -441,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<19} {m['block_hit_rate']:>8.1%} {m['ttft_mean']:>9.3f}s {spread([r['ttft_mean'] for r in runs]):>13} "
                   f"{m['ttft_p99']:>7.2f}s {spread([r['ttft_p99'] for r in runs]):>13} "
                   f"{m['ttft_mean'] / bound['ttft_mean']:>6.2f}x {m['utilisation']:>6.1%} {m['queue_mean']:>6.1f} "
-                  f"{m['queue_max_mean']:>5.1f} {m['queue_hot']:>4.1f}x {m['queue_over_3x']:>6.1%}"
+                  f"{m['queue_max_mean']:>5.1f} {m['queue_hot']:>4.1f}x {m['queue_over_3x']:>6.1%} {m['retries']:>5.0f} {m['failed']:>6.0f}"
                   f"  {m['routing'] or ''}  ({time.perf_counter() - t0:.0f}s)", flush=True)
         ours = table.get((load, "prefix_affinity"))
         field = {n: table[load, n] for n in FIELD if (load, n) in table}
