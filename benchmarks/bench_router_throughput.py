@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched", action="store_true",
                         help="with --compare-chunks: also run K1 and K2 with chunks batched as when serving (a "
                              "replica's K - 1 partial chunks in one TokenChunks frame, the router's replies to the "
-                             "client as TokenChunks) and report both slopes side by side")
+                             "client as TokenChunks) and report both slopes side by side; with --chunks K (the proxy "
+                             "comparison): both the proxy and the router forward answers sent that way")
     parser.add_argument("--stats-rate", type=float, nargs="+", metavar="HZ",
                         help="instead of the proxy comparison: no requests; every replica sends ReplicaStats this "
                              "many times a second (several rates: taken in turn each round) and the router's CPU "
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_stats:
         return compare_stats(args, policy)
     label = f"{args.routers} x ZmqRouter ({policy})" if args.routers > 1 else f"ZmqRouter ({policy})"
+    args.batched_now = args.batched  # --chunks K --batched: the proxy and the router forward the same frames
     ratios, cpu_ratios, proxy_cpus, router_cpus, rates = [], [], [], [], []
     for i in range(args.rounds):
         proxy, proxy_cpu, _ = phase("proxy", args)
@@ -493,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{label} {router:8.0f} req/s ({router_cpu:5.1f} us CPU each)   = {router / proxy:.0%}, "
               f"CPU {cpu_ratios[-1]:.1f}x", flush=True)
     median, cpu_median = statistics.median(ratios), statistics.median(cpu_ratios)
-    print(f"{args.replicas} replicas, {args.conversations} conversations in the warm index, {args.rounds} rounds")
+    print(f"{args.replicas} replicas, {args.conversations} conversations in the warm index, {args.rounds} rounds, "
+          f"{args.chunks} chunk(s) an answer" + (" (sent batched, as serving replicas send them)" if args.batched else ""))
     print(f"{label}: {spread(rates, '.0f')} req/s; CPU per request {spread(router_cpus, '.1f')} us, "
           f"proxy {spread(proxy_cpus, '.1f')} us")
     print(f"requests/s vs the proxy: {spread([100 * r for r in ratios], '.0f')} %  "

@@ -148,8 +148,21 @@ class Dispatcher:
             return []
         entry.last_seen = now
         out: list[Outgoing] = []
+        inflight, attempts = self.inflight, self.attempts
         for chunk in chunks:
-            out += self._on_chunk(replica_id, chunk, now)
+            # Most chunks are a stream's middle: its request is here, past its first token, not finished.
+            # They are forwarded here without a call or a new object each (the router pays per chunk);
+            # anything else goes through `_on_chunk`.
+            flight = inflight.get(chunk.request_id)
+            if (flight is None or chunk.finished or not flight.first_token_at or flight.replica_id != replica_id
+                    or flight.wire_id or attempts):
+                out += self._on_chunk(replica_id, chunk, now)
+                continue
+            flight.last_token_at = now
+            sent = flight.sent_tokens
+            sent.extend(chunk.token_ids)
+            chunk.prompt_tokens, chunk.completion_tokens, chunk.replica_id = flight.prompt_len, len(sent), replica_id
+            out.append(Outgoing(GATEWAY, flight.gateway, chunk))  # the chunk itself, now the gateway's
         return out
 
     def register(self, replica_id: str, hello: ReplicaHello, now: float) -> list[Outgoing]:

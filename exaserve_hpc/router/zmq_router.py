@@ -392,14 +392,22 @@ class ZmqRouter:
 
     def _send(self, outgoing: list[Outgoing]) -> None:
         batches: Optional[dict[bytes, list[TokenChunk]]] = None  # per gateway that reads TokenChunks
+        batched_peers, backlogs = self._batched_peers, self._backlogs
+        last_peer, last_batch = None, None  # a replica's chunks mostly go to one gateway: its list at hand
         for out in outgoing:
             if out.side == GATEWAY:
                 peer = out.peer
-                if out.message.__class__ is TokenChunk and peer in self._batched_peers and peer not in self._backlogs:
-                    if batches is None:
-                        batches = {}
-                    batches.setdefault(peer, []).append(out.message)
-                    continue
+                if out.message.__class__ is TokenChunk:
+                    if peer is last_peer:
+                        last_batch.append(out.message)
+                        continue
+                    if peer in batched_peers and peer not in backlogs:
+                        if batches is None:
+                            batches = {}
+                        last_peer, last_batch = peer, batches.setdefault(peer, [])
+                        last_batch.append(out.message)
+                        continue
+                last_peer = None
                 if batches and peer in batches:  # its chunks so far go first: a gateway's replies stay in order
                     self._chunks_to_gateway(peer, batches.pop(peer))
                 backlog = self._backlogs.get(peer)
