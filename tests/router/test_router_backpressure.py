@@ -31,11 +31,11 @@ def start_router(**kw) -> ZmqRouter:
     return ZmqRouter(dispatcher, context=zmq.Context(), gateway_hwm=50, **kw).start()
 
 
-def start_echo(router: ZmqRouter, replica_id: str):
+def start_echo(router: ZmqRouter, replica_id: str, step_delay: float = 0.0):
     # One token per chunk, no coalescing: as many messages as tokens.
     spec = StartReplica(replica_id=replica_id, model="echo", model_dir="-", router_backend=router.backend_endpoint,
                         settings=EngineSettings(engine="echo", max_batch_size=256, max_seq_len=4096,
-                                                options={"tokens_per_step": 1}),
+                                                options={"tokens_per_step": 1, "step_delay": step_delay}),
                         stats_interval=0.2, coalesce_ms=0.0, coalesce_tokens=1)
     return spawn_replica(spec, "test-node")
 
@@ -116,7 +116,10 @@ def test_a_gateway_that_falls_behind_loses_no_chunk(replicas, batch):
 def test_past_the_backlog_bound_one_request_fails_cleanly_and_its_replica_stops(replicas):
     router = start_router(gateway_backlog=2000)
     try:
-        replicas += [start_echo(router, "echo/r0")]
+        # 0.5 ms a step: 3,000 steps take the replica at least 1.5 s, so the requests the router fails (as soon
+        # as 2,000 replies wait, a few hundred steps in) are still running when their aborts arrive; an
+        # unpaced replica can finish all 20 before a router slowed by a busy machine fails the first
+        replicas += [start_echo(router, "echo/r0", step_delay=0.0005)]
         wait_for(lambda: len(router.snapshot()["replicas"]) == 1)
         got = flood(router, n=20, max_tokens=3000, pause=3.0)
         failed = {rid: g for rid, g in got.items() if g["error"] is not None}
