@@ -57,6 +57,16 @@ class RoutingKey:
     block_size: int
 
 
+def hashed_key(hasher, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (), scheme: str = "") -> RoutingKey:
+    """A prompt's `RoutingKey` under ``hasher`` (router/prefix_index.py's hashers): the gateway's ``hashes`` when
+    it hashed the prompt that way (same scheme, as many blocks), else the hasher's own. The routing_key of a
+    policy that hashes prompts; prefix affinity inlines the same on its hot path."""
+    n = len(prompt_token_ids)
+    if hashes and scheme == hasher.scheme and len(hashes) == hasher.blocks(n):
+        return RoutingKey(hashes, n, hasher.block_size)
+    return RoutingKey(hasher(prompt_token_ids), n, hasher.block_size)
+
+
 class ReplicaPool:
     """The replicas of one model: random access, O(1) add/remove, running sums of latency and of
     requests before their first token (so a policy reads the pool's means without a scan)."""

@@ -95,7 +95,9 @@ from typing import Container, Optional, Sequence
 
 from exaserve_hpc.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from exaserve_hpc.router.affinity import APPROXIMATE, PRECISE, prompt_hasher
-from exaserve_hpc.router.balancing import Decision, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
+from exaserve_hpc.router.balancing import (
+    Decision, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, hashed_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -337,10 +339,7 @@ class DynamoKvRouter(RoutingPolicy):
 
     def routing_key(self, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (),
                     scheme: str = "") -> RoutingKey:
-        n, hasher = len(prompt_token_ids), self.hasher
-        if hashes and scheme == hasher.scheme and len(hashes) == hasher.blocks(n):
-            return RoutingKey(hashes, n, self.block_size)
-        return RoutingKey(hasher(prompt_token_ids), n, self.block_size)
+        return hashed_key(self.hasher, prompt_token_ids, hashes, scheme)
 
     @property
     def follows_kv_events(self) -> bool:

@@ -91,7 +91,9 @@ import random
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Container, Optional, Sequence
 
-from exaserve_hpc.router.balancing import Decision, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy
+from exaserve_hpc.router.balancing import (
+    Decision, ReplicaLoad, ReplicaPool, RoutingKey, RoutingPolicy, hashed_key,
+)
 from exaserve_hpc.router.prefix_index import FastBlockHasher
 
 if TYPE_CHECKING:
@@ -214,10 +216,7 @@ class LlmdScheduler(RoutingPolicy):
     def routing_key(self, prompt_token_ids: Sequence[int], hashes: Sequence[int] = (),
                     scheme: str = "") -> RoutingKey:
         """The prompt's block hashes: ``hashes`` if the gateway computed them our way, else our own."""
-        n, hasher = len(prompt_token_ids), self.hasher
-        if hashes and scheme == hasher.scheme and len(hashes) == hasher.blocks(n):
-            return RoutingKey(hashes, n, self.block_size)
-        return RoutingKey(hasher(prompt_token_ids), n, self.block_size)
+        return hashed_key(self.hasher, prompt_token_ids, hashes, scheme)
 
     def forget(self, replica_id: str) -> None:
         self.indexer.remove(replica_id)
